@@ -1,0 +1,60 @@
+# ggml-cluster: `make demo` sets everything up and runs the embedded demo; `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+LLAMA_CPP_PYTHON := 0.3.36
+CACHE := $(or $(GGML_CLUSTER_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ggml-cluster)
+SDIST := $(CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+# llama-cpp-python built with the RPC backend; keyed so that a build without RPC is never reused.
+WHEELS := $(CACHE)/wheels/rpc-$(LLAMA_CPP_PYTHON)
+STAMP := $(VENV)/.installed
+PROMPT ?= Once upon a time, the cluster
+
+.PHONY: setup demo test lint unit clean system-deps
+
+setup: $(STAMP)
+
+system-deps:
+	@missing=""; for tool in cmake g++ make; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make ninja-build python3-venv >/dev/null; \
+	  else echo "missing:$$missing — install them (Debian/Ubuntu: sudo apt-get install cmake g++ make python3-venv)"; exit 1; fi; \
+	fi
+
+$(SDIST):
+	@mkdir -p $(CACHE)/src
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CACHE)/src
+
+$(STAMP): pyproject.toml Makefile | system-deps $(SDIST)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl >/dev/null 2>&1 || \
+	    ! $(BIN)/pip install --quiet --no-index --find-links $(WHEELS) --no-deps llama-cpp-python==$(LLAMA_CPP_PYTHON); then \
+	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) with -DGGML_RPC=ON (about 5 minutes on 2 cores)"; \
+	  CMAKE_ARGS="-DGGML_RPC=ON" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir $(SDIST) -w $(WHEELS) && \
+	  $(BIN)/pip install --quiet --no-index --find-links $(WHEELS) --no-deps llama-cpp-python==$(LLAMA_CPP_PYTHON); \
+	fi
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@$(BIN)/python -c 'import llama_cpp, pathlib, sys; lib = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-rpc.so.0"; sys.exit(0 if lib.exists() else f"llama-cpp-python has no RPC backend ({lib} missing): delete $(WHEELS) and rerun")'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/ggml-cluster up
+	$(BIN)/ggml-cluster run "$(PROMPT)" -n 48
+	$(BIN)/ggml-cluster status --once
+
+lint: setup
+	$(BIN)/ruff check cli core tests bench
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q -m "not integration"
+
+test: lint
+	$(BIN)/pytest -q
+
+clean:
+	-$(BIN)/ggml-cluster down
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""ggml-cluster command line: typer commands and rich rendering only."""

@@ -1,0 +1,212 @@
+"""The `ggml-cluster` command: parse, call core, render."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Coroutine
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from cli import dashboard
+from cli.render import run_summary, status_view, to_text
+from core import client
+from core.errors import ClusterError
+from core.inventory import Inventory, find_inventory, load_inventory
+from core.status import ClusterStatus, NodeState
+
+app = typer.Typer(
+    name="ggml-cluster",
+    help="Run one llama.cpp model across several machines with ggml-rpc, and keep it running.\n\n"
+    "Inventory: -i PATH, else $GGML_CLUSTER_INVENTORY, else ./inventory.yaml, else the embedded default "
+    "(two local workers and a tiny demo model). Exit codes: 0 success, 1 runtime failure, 2 bad usage "
+    "or bad inventory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+
+class Options:
+    """Global options shared by every command."""
+
+    inventory: str | None = None
+    debug: bool = False
+
+
+OPTIONS = Options()
+
+
+@app.callback()
+def _global(
+    inventory: Annotated[str | None, typer.Option("--inventory", "-i", help="Inventory YAML file.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    OPTIONS.inventory = inventory
+    OPTIONS.debug = debug
+
+
+def _execute(work: Coroutine[Any, Any, T]) -> T:
+    """Run a core coroutine; a ClusterError becomes one line on stderr and its exit code."""
+    try:
+        return asyncio.run(work)
+    except ClusterError as exc:
+        if OPTIONS.debug:
+            raise
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+def _inventory() -> Inventory:
+    try:
+        return load_inventory(find_inventory(OPTIONS.inventory))
+    except ClusterError as exc:
+        if OPTIONS.debug:
+            raise
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+
+
+@app.command()
+def up() -> None:
+    """Start the cluster (workers, controller, coordinator) and wait until it can serve.
+
+    Idempotent: with nothing changed it returns at once; a changed inventory restarts the cluster.
+    """
+    inventory = _inventory()
+    seen: dict[str, str] = {}
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                        TimeElapsedColumn(), console=err, transient=True)
+    task: list[TaskID] = []
+
+    def on_build(message: str, fraction: float | None) -> None:
+        if not task:
+            progress.start()
+            task.append(progress.add_task(message, total=1.0))
+        progress.update(task[0], description=message, completed=fraction or 0.0)
+
+    def on_status(snapshot: ClusterStatus) -> None:
+        if task:
+            progress.stop()
+            task.clear()
+        for node in snapshot.nodes:
+            state = str(node.state)
+            if seen.get(node.name) != state:
+                seen[node.name] = state
+                detail = f" ({node.last_error})" if node.state == NodeState.FAILED else ""
+                err.print(f"  {node.name}: {state}{detail}", highlight=False)
+        coordinator = f"coordinator {snapshot.coordinator.state}"
+        if seen.get("") != coordinator:
+            seen[""] = coordinator
+            err.print(f"  {coordinator}", highlight=False)
+
+    async def work() -> client.UpResult:
+        try:
+            return await client.bring_up(inventory, on_status, on_build)
+        finally:
+            progress.stop()
+
+    result = _execute(work())
+    snapshot = result.status
+    if result.already_up:
+        err.print(f"cluster '{inventory.cluster}' is already up with this inventory; nothing changed")
+    elif result.restarted:
+        err.print(f"cluster '{inventory.cluster}' restarted with the changed inventory")
+    out.print(status_view(snapshot, events=0))
+    ready = sum(node.state == NodeState.READY for node in snapshot.nodes)
+    err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
+              f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
+
+
+@app.command()
+def status(
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON snapshot.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="With --json: one JSON object per line.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
+) -> None:
+    """Show the cluster: a live dashboard on a terminal, else one snapshot."""
+    state = client.state_for(_inventory())
+
+    async def work() -> None:
+        if as_json and watch:
+            async for snapshot in client.watch(state, interval):
+                sys.stdout.write(json.dumps(snapshot.to_dict()) + "\n")
+                sys.stdout.flush()
+        elif as_json:
+            sys.stdout.write(json.dumps((await client.status(state)).to_dict(), indent=2) + "\n")
+        elif once or not out.is_terminal:
+            snapshot = await client.status(state)
+            if out.is_terminal:
+                out.print(status_view(snapshot))
+            else:
+                sys.stdout.write(to_text(status_view(snapshot), width=120))
+        else:
+            await client.status(state)  # fail fast with a clear error when the cluster is not up
+            await dashboard.live(state, out, interval)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        _execute(work())
+
+
+@app.command()
+def run(
+    prompt: Annotated[str, typer.Argument(help="The prompt.")],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy (deterministic).")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (with --temperature > 0).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+) -> None:
+    """Stream a completion from the cluster to stdout."""
+    state = client.state_for(_inventory())
+    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+
+    async def work() -> dict[str, Any]:
+        async for event in client.run(state, request):
+            kind = event.get("event")
+            if kind == "token" and not as_json:
+                sys.stdout.write(event["text"])
+                sys.stdout.flush()
+            elif kind == "notice":
+                err.print(f"\n[yellow]notice:[/yellow] {event['message']}", highlight=False)
+            elif kind == "error":
+                raise ClusterError(str(event.get("message")))
+            elif kind == "done":
+                return event
+        raise ClusterError("the controller closed the stream before the run finished")
+
+    result = _execute(work())
+    if as_json:
+        sys.stdout.write(json.dumps({key: value for key, value in result.items() if key != "event"}) + "\n")
+    else:
+        sys.stdout.write("\n")
+        err.print(run_summary(result), style="dim", highlight=False)
+
+
+@app.command()
+def down() -> None:
+    """Stop the coordinator, every worker and the controller."""
+    inventory = _inventory()
+    state = client.state_for(inventory)
+    running = state.controller_pid() is not None
+    cleaned = _execute(client.shut_down(state))
+    if cleaned:
+        err.print(f"the controller was not running; stopped leftover workers: {', '.join(cleaned)}")
+    err.print(f"cluster '{inventory.cluster}' is down" if running or cleaned
+              else f"cluster '{inventory.cluster}' was not running")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

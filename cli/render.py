@@ -1,0 +1,133 @@
+"""Pure rendering: a ClusterStatus (or a run result) to rich renderables and plain text."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
+
+STATE_STYLE = {
+    NodeState.READY: "green",
+    NodeState.STARTING: "yellow",
+    NodeState.RESTARTING: "yellow",
+    NodeState.PENDING: "dim",
+    NodeState.FAILED: "bold red",
+    NodeState.STOPPED: "dim",
+}
+COORDINATOR_STYLE = {
+    CoordinatorState.READY: "green",
+    CoordinatorState.GENERATING: "cyan",
+    CoordinatorState.LOADING: "yellow",
+    CoordinatorState.FAILED: "bold red",
+    CoordinatorState.STOPPED: "dim",
+}
+
+
+def size(value: int) -> str:
+    """Bytes as a short human size."""
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if amount < 1024 or unit == "GiB":
+            return f"{amount:.0f} {unit}" if unit in ("B", "KiB") else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return f"{amount:.1f} TiB"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as 45s, 12m05s or 3h02m."""
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def memory(node: NodeStatus) -> str:
+    """Free/total memory in the total's unit, e.g. ``21.3/23.5 GiB``."""
+    if not node.mem_total:
+        return "-"
+    total = size(node.mem_total)
+    number, unit = total.split(" ")
+    scale = node.mem_total / float(number) if float(number) else 1.0
+    return f"{node.mem_free / scale:.1f}/{number} {unit}"
+
+
+def layers(node: NodeStatus) -> str:
+    """A node's layer range."""
+    if node.layers is None:
+        return "-"
+    first, last = node.layers
+    return f"{first}-{last}" if first != last else str(first)
+
+
+def header(status: ClusterStatus, now: float) -> Text:
+    """One line: cluster, model, coordinator, uptime."""
+    line = Text()
+    line.append(status.cluster, style="bold")
+    line.append(f"  model {status.model}  coordinator ")
+    line.append(str(status.coordinator.state), style=COORDINATOR_STYLE[status.coordinator.state])
+    if status.coordinator.restarts:
+        line.append(f" (restarts {status.coordinator.restarts})")
+    line.append(f"  up {duration(now - status.started_at)}")
+    return line
+
+
+def node_table(status: ClusterStatus) -> Table:
+    """One row per node."""
+    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
+    for column in ("NODE", "ENDPOINT", "BACKEND", "STATE", "LAYERS", "MEM FREE/TOTAL", "RESTARTS"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("LAST STATUS", overflow="fold", min_width=12)
+    for node in status.nodes:
+        table.add_row(
+            node.name, f"{node.host}:{node.rpc_port}", f"{node.arch or '?'}/{node.backend or '?'}",
+            Text(str(node.state), style=STATE_STYLE[node.state]), layers(node), memory(node), str(node.restarts),
+            node.last_error or node.last_status or "ok")
+    return table
+
+
+def event_lines(status: ClusterStatus, count: int = 5) -> Text:
+    """The latest events, oldest first."""
+    text = Text()
+    for event in status.events[-count:]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        where = f"[{event.node}] " if event.node else ""
+        text.append(f"{stamp} {where}{event.kind}: {event.message}\n", style="dim")
+    return text
+
+
+def status_view(status: ClusterStatus, now: float | None = None, events: int = 5) -> RenderableType:
+    """The whole status screen."""
+    parts: list[RenderableType] = [header(status, time.time() if now is None else now), node_table(status)]
+    if events and status.events:
+        parts += [Text("events", style="bold"), event_lines(status, events)]
+    return Group(*parts)
+
+
+def to_text(renderable: RenderableType, width: int = 100) -> str:
+    """Plain text of a renderable at a fixed width (for --once on a pipe, and for tests)."""
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(renderable)
+    return buffer.getvalue()
+
+
+def run_summary(result: dict[str, Any]) -> str:
+    """One line after a streamed run."""
+    timings = result.get("timings") or {}
+    rate = timings.get("decode_tokens_per_s")
+    parts = [f"{result.get('completion_tokens', 0)} tokens"]
+    if rate:
+        parts.append(f"{rate:.1f} tok/s")
+    if timings.get("first_token_s") is not None:
+        parts.append(f"first token {timings['first_token_s'] * 1000:.0f} ms")
+    recoveries = result.get("recoveries") or []
+    if recoveries:
+        parts.append(f"{len(recoveries)} recover{'y' if len(recoveries) == 1 else 'ies'}")
+    return ", ".join(parts)

@@ -1,0 +1,225 @@
+"""The command line's side of the controller: bring a cluster up, ask for status, run, shut down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core import worker
+from core.build import Progress, cache_dir, worker_binary
+from core.controller import Launch, node_spec
+from core.errors import ClusterError, ConnectError, DeployError, InventoryError
+from core.inventory import Inventory, parse_inventory
+from core.model import demo_model, read_model
+from core.remote import LocalRemote
+from core.state import StateDir, fingerprint, process_alive, state_path
+from core.status import ClusterStatus, CoordinatorState
+
+UP_TIMEOUT_S = 600.0
+DOWN_TIMEOUT_S = 30.0
+# Stream lines can be long (a snapshot with many events); the default 64 KiB is too tight.
+LINE_LIMIT = 16 << 20
+
+
+def state_for(inventory: Inventory) -> StateDir:
+    """The state dir of an inventory's cluster."""
+    return StateDir(state_path(inventory.cluster))
+
+
+async def exchange(state: StateDir, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """Send one request to the controller and yield its answers."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(state.socket), limit=LINE_LIMIT)
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise ConnectError(f"the cluster at {state.root} is not running",
+                           "fix: run `ggml-cluster up`") from None
+    try:
+        writer.write((json.dumps(message) + "\n").encode())
+        await writer.drain()
+        async for line in reader:
+            yield json.loads(line)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
+
+
+async def ask(state: StateDir, message: dict[str, Any]) -> dict[str, Any]:
+    """One request, one answer."""
+    async for answer in exchange(state, message):
+        return answer
+    raise ConnectError(f"the controller at {state.root} closed the connection without answering")
+
+
+async def status(state: StateDir) -> ClusterStatus:
+    """One snapshot of a running cluster."""
+    return ClusterStatus.from_dict(await ask(state, {"op": "status"}))
+
+
+async def watch(state: StateDir, interval: float = 1.0) -> AsyncIterator[ClusterStatus]:
+    """Snapshots as the cluster changes (at least every ``interval`` seconds)."""
+    async for data in exchange(state, {"op": "watch", "interval": interval}):
+        yield ClusterStatus.from_dict(data)
+
+
+async def run(state: StateDir, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """Stream a generation: ``token`` and ``notice`` events, then ``done`` (or ``error``)."""
+    async for answer in exchange(state, {"op": "run", **request}):
+        yield answer
+        if answer.get("event") in ("done", "error"):
+            return
+
+
+@dataclass(frozen=True)
+class UpResult:
+    """What `up` did."""
+
+    status: ClusterStatus
+    already_up: bool
+    restarted: bool
+    adopted: bool
+
+
+async def bring_up(inventory: Inventory, on_status: Callable[[ClusterStatus], None],
+                   on_build: Progress) -> UpResult:
+    """Start the cluster (or find it already running with the same configuration) and wait until ready."""
+    state = state_for(inventory).create()
+    model = inventory.model_path
+    if model is None:
+        model = demo_model(cache_dir())
+    elif not model.is_file():
+        raise InventoryError(f"{inventory.source}: model: no such file {model}",
+                             "fix: point 'model' at a GGUF file on this machine")
+    read_model(model)
+    unsupported = [node.name for node in inventory.nodes if node.kind != "local"]
+    if unsupported:
+        raise InventoryError(f"{inventory.source}: nodes {', '.join(unsupported)}: kind 'ssh' is not "
+                             "supported by this version yet", "fix: use 'kind: local' nodes")
+    binary = await asyncio.to_thread(worker_binary, "cpu", on_build)
+    inventory_text = json.dumps(inventory.model_dump(mode="json", exclude={"source"}), sort_keys=True)
+    launch = Launch(binary=str(binary.path), protocol=binary.protocol, model=str(model.resolve()))
+    launch_text = json.dumps({**launch.to_dict(), "source": inventory.source}, sort_keys=True)
+    wanted = fingerprint(inventory_text, launch_text)
+
+    restarted = False
+    pid = state.controller_pid()
+    if pid is not None:
+        answer: dict[str, Any] | None = None
+        with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
+            answer = await asyncio.wait_for(ask(state, {"op": "ping"}), 10)
+        if answer is not None and answer.get("inventory") == wanted:
+            return UpResult(await status(state), already_up=True, restarted=False, adopted=False)
+        if answer is not None:
+            await shut_down(state)
+            restarted = True
+        else:
+            # A hung controller: replace it, but keep its workers for the new one to adopt.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await _wait_gone(pid, DOWN_TIMEOUT_S)
+    adopted = state.inventory.is_file() and not restarted
+    state.socket.unlink(missing_ok=True)  # a dead controller's socket would answer "refused"
+    state.pid.unlink(missing_ok=True)
+    state.inventory.write_text(inventory_text)
+    state.launch.write_text(launch_text)
+    process = _spawn_controller(state)
+    try:
+        snapshot = await _wait_ready(state, process, on_status)
+    except (ClusterError, asyncio.CancelledError, KeyboardInterrupt):
+        await shut_down(state)
+        raise
+    adopted = adopted and any("adopted" in event.message for event in snapshot.events)
+    return UpResult(snapshot, already_up=False, restarted=restarted, adopted=adopted)
+
+
+def _spawn_controller(state: StateDir) -> subprocess.Popen[bytes]:
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    with state.controller_log.open("ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "core.controller", str(state.root)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=root,
+                                start_new_session=True)
+
+
+async def _wait_ready(state: StateDir, process: subprocess.Popen[bytes],
+                      on_status: Callable[[ClusterStatus], None]) -> ClusterStatus:
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not state.socket.exists():
+        if process.poll() is not None:
+            raise DeployError(f"the controller exited at start-up: {_tail(state.controller_log)}",
+                              f"see {state.controller_log}")
+        if time.monotonic() > deadline:
+            raise DeployError("the controller did not open its socket", f"see {state.controller_log}")
+        await asyncio.sleep(0.05)
+    async for snapshot in watch(state, interval=0.5):
+        on_status(snapshot)
+        if snapshot.coordinator.state == CoordinatorState.READY:
+            return snapshot
+        if snapshot.coordinator.state == CoordinatorState.FAILED:
+            raise ClusterError(f"the cluster could not start: {snapshot.coordinator.last_error}")
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the cluster was not ready after {UP_TIMEOUT_S:g}s")
+    raise ConnectError(f"the controller stopped during start-up: {_tail(state.controller_log)}",
+                       f"see {state.controller_log}")
+
+
+def _tail(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else "no output"
+    return "no log"
+
+
+async def shut_down(state: StateDir) -> list[str]:
+    """Stop the controller, coordinator and every worker; works even when the controller is dead.
+
+    Returns what had to be cleaned up without the controller.
+    """
+    pid = state.controller_pid()
+    if pid is not None:
+        with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
+            await ask(state, {"op": "down"})
+        if not await _wait_gone(pid, DOWN_TIMEOUT_S):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    cleaned = await _stop_leftover_workers(state)
+    state.socket.unlink(missing_ok=True)
+    state.pid.unlink(missing_ok=True)
+    return cleaned
+
+
+async def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_alive(pid):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def _stop_leftover_workers(state: StateDir) -> list[str]:
+    """Workers whose supervisor still runs after the controller is gone (killed, crashed)."""
+    if not (state.inventory.is_file() and state.launch.is_file()):
+        return []
+    launch_data = json.loads(state.launch.read_text())
+    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
+    inventory = inventory.model_copy(update={"source": launch_data["source"]})
+    launch = Launch.from_dict(launch_data)
+    cleaned = []
+    for node in inventory.nodes:
+        spec = node_spec(inventory, node, state, launch)
+        remote = LocalRemote(node.name)
+        if await worker.running_supervisor(remote, spec) is not None:
+            await worker.stop(remote, spec)
+            cleaned.append(node.name)
+    return cleaned

@@ -1,0 +1,611 @@
+"""The controller: one detached process per cluster that owns the workers, the plan and the coordinator.
+
+It starts (or adopts) each node's supervised worker, follows its events, checks it with a HELLO probe,
+plans the layers, runs the coordinator as a child, restarts it when it dies and resumes the request in
+flight. Clients talk to it over a Unix socket with JSON lines (see `core.client`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core import worker
+from core.errors import ClusterError, PlanError, RequestError, WorkerError
+from core.inventory import Inventory, Node, parse_inventory
+from core.model import ModelFacts, read_model
+from core.planner import NodeCapacity, Plan, assign_layers, plan_memory
+from core.remote import LocalRemote, Remote
+from core.rpc import Version, probe_worker
+from core.state import StateDir
+from core.status import (
+    ClusterStatus,
+    CoordinatorState,
+    CoordinatorStatus,
+    Event,
+    NodeState,
+    NodeStatus,
+)
+
+log = logging.getLogger("ggml-cluster.controller")
+
+READY_TIMEOUT_S = 60.0      # a started worker must answer HELLO within this
+RECOVERY_TIMEOUT_S = 120.0  # a request waits this long for the cluster to come back
+MAX_RECOVERIES = 5          # per request
+EVENT_MEMORY = 50
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `up` hands the controller besides the inventory."""
+
+    binary: str
+    protocol: Version
+    model: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for launch.json."""
+        return {"binary": self.binary, "model": self.model,
+                "protocol": [self.protocol.major, self.protocol.minor, self.protocol.patch]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Launch:
+        """Parse launch.json."""
+        return cls(binary=data["binary"], model=data["model"], protocol=Version(*data["protocol"]))
+
+
+def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch) -> worker.WorkerSpec:
+    """How a local node's worker is run."""
+    workdir = inventory.workdir(node) or state.node_dir(node.name)
+    return worker.WorkerSpec(node=node.name, workdir=str(workdir), binary=launch.binary,
+                             port=node.rpc_port, threads=node.threads, cache=str(state.worker_cache))
+
+
+@dataclass
+class NodeRuntime:
+    """The controller's live view of one node."""
+
+    node: Node
+    spec: worker.WorkerSpec
+    remote: Remote
+    status: NodeStatus
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    endpoint: tuple[str, int] | None = None
+
+
+class Controller:
+    """The daemon's state and tasks."""
+
+    def __init__(self, inventory: Inventory, launch: Launch, state: StateDir) -> None:
+        self.inventory = inventory
+        self.launch = launch
+        self.state = state
+        self.model: ModelFacts = read_model(Path(launch.model))
+        self.nodes: dict[str, NodeRuntime] = {}
+        for node in inventory.nodes:
+            if node.kind != "local":
+                raise ClusterError(f"node {node.name}: kind '{node.kind}' is not supported by this version",
+                                   "fix: use 'kind: local' nodes")
+            self.nodes[node.name] = NodeRuntime(
+                node=node, spec=node_spec(inventory, node, state, launch), remote=LocalRemote(node.name),
+                status=NodeStatus(name=node.name, host=node.host or "localhost", kind=node.kind,
+                                  rpc_port=node.rpc_port, arch=os.uname().machine, backend="cpu"))
+        self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
+        self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
+        self.plan: Plan | None = None
+        self.started_at = time.time()
+        self.requests_served = 0
+        self._process: asyncio.subprocess.Process | None = None
+        self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._coordinator_ready = asyncio.Event()
+        self._request_lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._stopping = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.finished = asyncio.Event()
+
+    # --- status and events -------------------------------------------------------------------------
+
+    def snapshot(self) -> ClusterStatus:
+        """The current status of everything."""
+        return ClusterStatus(
+            cluster=self.inventory.cluster, model=self.model.name,
+            coordinator=CoordinatorStatus(**vars(self.coordinator)),
+            nodes=[NodeStatus(**vars(runtime.status)) for runtime in self.nodes.values()],
+            events=list(self.events), n_layers=self.model.n_layers,
+            tensor_split=list(self.plan.tensor_split) if self.plan else [],
+            controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served)
+
+    def record(self, kind: str, message: str, node: str | None = None) -> None:
+        """Log an event, keep it for `status`, and wake watchers."""
+        event = Event(time=time.time(), kind=kind, message=message, node=node)
+        self.events.append(event)
+        with contextlib.suppress(OSError), self.state.events.open("a") as handle:
+            handle.write(json.dumps(event.to_dict()) + "\n")
+        log.info("%s%s: %s", f"[{node}] " if node else "", kind, message)
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake every watcher: something changed."""
+        async def wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+        self._spawn(wake())
+
+    async def wait_change(self, timeout: float) -> None:
+        """Return on the next change or after ``timeout``."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- nodes -------------------------------------------------------------------------------------
+
+    async def start_nodes(self) -> None:
+        """Start or adopt every worker, then follow each node."""
+        for runtime in self.nodes.values():
+            self._spawn(self._run_node(runtime))
+
+    async def _run_node(self, runtime: NodeRuntime) -> None:
+        name = runtime.node.name
+        status = runtime.status
+        try:
+            offset = await self._events_size(runtime)
+            status.state = NodeState.STARTING
+            self.notify()
+            adopted = await worker.start(runtime.remote, runtime.spec)
+            self.record("worker", "adopted the running worker" if adopted else "worker started", name)
+            runtime.endpoint = await runtime.remote.endpoint(runtime.node.rpc_port)
+            self._spawn(self._probe_until_ready(runtime))
+            await self._follow(runtime, offset)
+        except ClusterError as exc:
+            status.state = NodeState.FAILED
+            status.last_error = str(exc)
+            self.record("error", str(exc), name)
+
+    async def _events_size(self, runtime: NodeRuntime) -> int:
+        path = worker.event_path(runtime.spec)
+        result = await runtime.remote.run(f"wc -c < {worker.shell_command([path])} 2>/dev/null || echo 0")
+        text = result.stdout.strip()
+        return int(text) if text.isdigit() else 0
+
+    async def _follow(self, runtime: NodeRuntime, offset: int) -> None:
+        path = worker.shell_command([worker.event_path(runtime.spec)])
+        async for line in runtime.remote.follow(f"tail -c +{offset + 1} -F {path} 2>/dev/null"):
+            event = worker.parse_event(line)
+            if event is not None and not self._stopping:
+                await self._on_worker_event(runtime, event)
+
+    async def _on_worker_event(self, runtime: NodeRuntime, event: worker.WorkerEvent) -> None:
+        status = runtime.status
+        name = runtime.node.name
+        if event.kind == "started":
+            status.pid = event.pid
+            if status.state != NodeState.STARTING:
+                status.state = NodeState.STARTING
+                self._spawn(self._probe_until_ready(runtime))
+            self.notify()
+        elif event.kind == "exit":
+            runtime.ready.clear()
+            status.state = NodeState.RESTARTING
+            status.restarts += 1
+            status.pid = None
+            text = await worker.read_log(runtime.remote, runtime.spec, event.log_offset or 0)
+            cause = worker.classify_exit(event.code if event.code is not None else -1, text)
+            status.last_status = cause
+            status.last_error = cause
+            self.record("worker-exit", f"worker exited after {event.ran_s}s: {cause}", name)
+        elif event.kind == "backoff":
+            self.record("worker-restart", f"restarting the worker in {event.seconds}s", name)
+        elif event.kind == "failed":
+            runtime.ready.clear()
+            status.state = NodeState.FAILED
+            status.last_error = f"crash loop: {status.last_status}"
+            self.record("node-failed", f"worker keeps exiting ({status.last_status}); node excluded", name)
+            self._spawn(self._replan_after_loss(name))
+
+    async def _probe_until_ready(self, runtime: NodeRuntime) -> None:
+        status = runtime.status
+        if runtime.endpoint is None:
+            return
+        host, port = runtime.endpoint
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._stopping and status.state == NodeState.STARTING:
+            if self._process is not None and runtime.ready.is_set():
+                return  # in use by the coordinator: never probe a busy worker
+            try:
+                info = await probe_worker(host, port, timeout=3.0)
+            except ClusterError as exc:
+                if time.monotonic() > deadline:
+                    status.last_error = f"no HELLO answer within {READY_TIMEOUT_S:g}s: {exc}"
+                    self.record("error", status.last_error, runtime.node.name)
+                    return
+                await asyncio.sleep(0.2)
+                continue
+            if not info.version.compatible_with(self.launch.protocol):
+                status.state = NodeState.FAILED
+                status.last_error = (f"worker speaks RPC protocol {info.version}, the coordinator speaks "
+                                     f"{self.launch.protocol}; rebuild the worker from the same llama.cpp")
+                self.record("error", status.last_error, runtime.node.name)
+                return
+            status.mem_total, status.mem_free = info.mem_total, info.mem_free
+            status.state = NodeState.READY
+            runtime.ready.set()
+            self.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
+                        f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB", runtime.node.name)
+            return
+
+    # --- plan and coordinator ----------------------------------------------------------------------
+
+    def _usable_nodes(self) -> list[NodeRuntime]:
+        return [runtime for runtime in self.nodes.values() if runtime.status.state != NodeState.FAILED]
+
+    async def _wait_nodes(self, timeout: float) -> list[NodeRuntime]:
+        deadline = time.monotonic() + timeout
+        while True:
+            usable = self._usable_nodes()
+            if usable and all(runtime.ready.is_set() for runtime in usable):
+                return usable
+            if not usable:
+                raise PlanError("every node has failed; nothing can hold the model")
+            if time.monotonic() > deadline:
+                waiting = ", ".join(f"{r.node.name} ({r.status.state})" for r in usable if not r.ready.is_set())
+                raise WorkerError(f"workers not ready after {timeout:g}s: {waiting}")
+            await self.wait_change(0.5)
+
+    def make_plan(self, usable: list[NodeRuntime]) -> Plan:
+        """Memory-proportional plan over the usable nodes, applied to their statuses."""
+        capacities = [NodeCapacity(r.node.name, r.status.mem_free, r.node.memory) for r in usable]
+        plan = plan_memory(self.model, capacities, self.inventory.context)
+        self.plan = plan
+        for runtime in self.nodes.values():
+            runtime.status.layers = None
+        for name, layers in zip(plan.nodes, plan.layers, strict=True):
+            self.nodes[name].status.layers = layers
+        self.state.plan.write_text(json.dumps(plan.to_dict(), indent=2))
+        return plan
+
+    async def start_coordinator(self) -> None:
+        """Wait for the workers, plan, and start the coordinator; raises when it cannot load."""
+        from core.coordinator import CoordinatorConfig
+
+        self.coordinator.state = CoordinatorState.LOADING
+        self.notify()
+        usable = await self._wait_nodes(READY_TIMEOUT_S)
+        plan = self.make_plan(usable)
+        endpoints = []
+        for name in plan.nodes:
+            endpoint = self.nodes[name].endpoint
+            if endpoint is None:
+                raise WorkerError(f"node {name} has no endpoint")
+            endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
+        config = CoordinatorConfig(model=self.launch.model, endpoints=tuple(endpoints),
+                                   tensor_split=plan.tensor_split, context=self.inventory.context)
+        layout = ", ".join(f"{name} {_layers(layers)}" for name, layers in zip(plan.nodes, plan.layers,
+                                                                             strict=True))
+        self.record("plan", f"{plan.strategy} split {list(plan.tensor_split)}: {layout}")
+        started = time.monotonic()
+        with self.state.coordinator_log.open("ab") as log_file:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "core.coordinator", config.to_json(),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                cwd=str(Path(__file__).resolve().parent.parent))
+        self.coordinator.pid = self._process.pid
+        self._messages = asyncio.Queue()
+        self._spawn(self._read_coordinator(self._process))
+        message = await self._messages.get()
+        if message.get("event") != "ready":
+            self.coordinator.state = CoordinatorState.FAILED
+            reason = message.get("message") or f"exited with code {message.get('code')}"
+            self.coordinator.last_error = str(reason)
+            self.record("coordinator-failed", f"coordinator could not load the model: {reason}")
+            raise ClusterError(f"the coordinator could not load the model: {reason}",
+                               f"see {self.state.coordinator_log}")
+        self._check_assignment(plan)
+        self.coordinator.state = CoordinatorState.READY
+        self._coordinator_ready.set()
+        self.record("coordinator-ready", f"model loaded across {len(plan.nodes)} worker(s) in "
+                    f"{time.monotonic() - started:.1f}s")
+
+    def _check_assignment(self, plan: Plan) -> None:
+        """Compare llama.cpp's own layer placement (its load log) with the plan."""
+        text = self.state.coordinator_log.read_text(errors="replace")[-200_000:]
+        seen = parse_layer_devices(text)
+        expected = assign_layers(plan.tensor_split, self.model.n_layers)
+        if seen and [seen.get(layer) for layer in range(len(expected))] != expected:
+            self.record("plan-mismatch", f"llama.cpp placed layers as {seen}, the plan expected {expected}")
+
+    async def _read_coordinator(self, process: asyncio.subprocess.Process) -> None:
+        if process.stdout is None:
+            return
+        async for raw in process.stdout:
+            try:
+                self._messages.put_nowait(json.loads(raw))
+            except json.JSONDecodeError:
+                log.warning("coordinator wrote a non-JSON line: %r", raw[:200])
+        code = await process.wait()
+        self._messages.put_nowait({"event": "exit", "code": code})
+        if process is self._process:
+            self._process = None
+            self._coordinator_ready.clear()
+            self.coordinator.pid = None
+            if not self._stopping:
+                self._spawn(self._on_coordinator_exit(code))
+
+    async def _on_coordinator_exit(self, code: int) -> None:
+        cause = "aborted: a worker connection was lost" if code in (-6, 134) else worker.classify_exit(
+            code if code >= 0 else 128 - code, "")
+        self.coordinator.restarts += 1
+        self.coordinator.last_error = f"exit {code} ({cause})"
+        self.coordinator.state = CoordinatorState.LOADING
+        self.record("coordinator-exit", f"coordinator exited with {code} ({cause}); restarting it")
+        await self._restart_coordinator()
+
+    async def _restart_coordinator(self) -> None:
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while not self._stopping and time.monotonic() < deadline:
+            try:
+                await self.start_coordinator()
+                return
+            except PlanError as exc:
+                self.coordinator.state = CoordinatorState.FAILED
+                self.coordinator.last_error = str(exc)
+                self.record("coordinator-failed", f"cannot re-plan: {exc}")
+                return
+            except ClusterError as exc:
+                self.record("coordinator-retry", f"restart failed: {exc}")
+                await self._kill_coordinator()
+                await asyncio.sleep(1.0)
+        if not self._stopping:
+            self.coordinator.state = CoordinatorState.FAILED
+            self.record("coordinator-failed", f"could not restart within {RECOVERY_TIMEOUT_S:g}s")
+
+    async def _replan_after_loss(self, name: str) -> None:
+        """A node failed for good: if the coordinator still uses it, restart on the survivors."""
+        if self.plan is not None and name in self.plan.nodes and self._process is not None:
+            await self._kill_coordinator()
+
+    async def _kill_coordinator(self) -> None:
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        process.kill()
+        await process.wait()
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    async def generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """Run one request to completion, resuming it across coordinator restarts."""
+        async with self._request_lock:
+            prompt_tokens: list[int] | None = None
+            generated: list[int] = []
+            texts: list[str] = []
+            recoveries: list[dict[str, Any]] = []
+            started = time.perf_counter()
+            first_token_s: float | None = None
+            rid = 0
+            while True:
+                await self._await_coordinator(recoveries)
+                rid += 1
+                message: dict[str, Any] = {
+                    "op": "generate", "id": rid, "max_tokens": int(request.get("max_tokens", 128)),
+                    "temperature": float(request.get("temperature", 0.0)), "seed": request.get("seed"),
+                    "replay": generated}
+                if prompt_tokens is None:
+                    message["prompt"] = str(request.get("prompt", ""))
+                else:
+                    message["prompt_tokens"] = prompt_tokens
+                process = self._process
+                if process is None or process.stdin is None:
+                    continue
+                self.coordinator.state = CoordinatorState.GENERATING
+                self.notify()
+                process.stdin.write((json.dumps(message) + "\n").encode())
+                with contextlib.suppress(ConnectionError):
+                    await process.stdin.drain()
+                while True:
+                    answer = await self._messages.get()
+                    kind = answer.get("event")
+                    if kind == "exit":
+                        recoveries.append({"at_token": len(generated), "time": time.time(),
+                                           "cause": f"coordinator exited with {answer.get('code')}"})
+                        break
+                    if answer.get("id") != rid:
+                        continue
+                    if kind == "prompt":
+                        prompt_tokens = list(answer["tokens"])
+                    elif kind == "token":
+                        generated.append(int(answer["token"]))
+                        texts.append(answer["text"])
+                        if first_token_s is None:
+                            first_token_s = time.perf_counter() - started
+                        await send({"event": "token", "text": answer["text"]})
+                    elif kind == "error":
+                        self._set_ready()
+                        raise RequestError(str(answer.get("message")))
+                    elif kind == "done":
+                        self._set_ready()
+                        self.requests_served += 1
+                        if answer.get("text"):
+                            texts.append(answer["text"])
+                            await send({"event": "token", "text": answer["text"]})
+                        total = time.perf_counter() - started
+                        await send({
+                            "event": "done", "text": "".join(texts), "reason": answer.get("reason"),
+                            "prompt_tokens": len(prompt_tokens or []), "completion_tokens": len(generated),
+                            "timings": {"total_s": total, "first_token_s": first_token_s,
+                                        "prompt_s": answer.get("prompt_s"), "decode_s": answer.get("decode_s"),
+                                        "decode_tokens_per_s": _rate(answer.get("completion_tokens"),
+                                                                     answer.get("decode_s"))},
+                            "recoveries": recoveries})
+                        return
+                if len(recoveries) > MAX_RECOVERIES:
+                    raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; "
+                                       f"last: {recoveries[-1]['cause']}")
+                await send({"event": "notice", "message": f"recovering: {recoveries[-1]['cause']} after "
+                            f"{len(generated)} tokens; resuming"})
+
+    def _set_ready(self) -> None:
+        if self._process is not None:
+            self.coordinator.state = CoordinatorState.READY
+            self.notify()
+
+    async def _await_coordinator(self, recoveries: list[dict[str, Any]]) -> None:
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while not self._coordinator_ready.is_set():
+            if self.coordinator.state == CoordinatorState.FAILED:
+                raise RequestError(f"the cluster cannot serve: {self.coordinator.last_error}")
+            if time.monotonic() > deadline:
+                raise RequestError(f"the cluster did not recover within {RECOVERY_TIMEOUT_S:g}s "
+                                   f"({self.coordinator.last_error or 'coordinator not ready'})")
+            await self.wait_change(0.5)
+        if recoveries and "resumed_after_s" not in recoveries[-1]:
+            recoveries[-1]["resumed_after_s"] = time.time() - recoveries[-1]["time"]
+
+    # --- shutdown ----------------------------------------------------------------------------------
+
+    async def shutdown(self, stop_workers: bool = True) -> None:
+        """Stop the coordinator and (normally) every worker; then let the process exit."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.record("down", "stopping the cluster")
+        process = self._process
+        if process is not None and process.returncode is None:
+            if process.stdin is not None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    process.stdin.write(b'{"op": "shutdown"}\n')
+                    process.stdin.close()
+            try:
+                await asyncio.wait_for(process.wait(), 5)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if stop_workers:
+            await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values()))
+        for runtime in self.nodes.values():
+            await runtime.remote.close()
+        self.finished.set()
+
+
+def parse_layer_devices(log_text: str) -> dict[int, int]:
+    """llama.cpp's 'layer N assigned to device RPCk' lines → {layer: k} (RPC devices only)."""
+    import re
+
+    seen: dict[int, int] = {}
+    for match in re.finditer(r"layer\s+(\d+) assigned to device RPC(\d+)", log_text):
+        seen[int(match.group(1))] = int(match.group(2))
+    return seen
+
+
+def _layers(layers: tuple[int, int] | None) -> str:
+    return f"layers {layers[0]}-{layers[1]}" if layers else "no layers"
+
+
+def _rate(count: object, seconds: object) -> float | None:
+    if isinstance(count, int) and isinstance(seconds, float) and seconds > 0:
+        return count / seconds
+    return None
+
+
+# --- the control socket ----------------------------------------------------------------------------
+
+
+async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:
+    async def send(message: dict[str, Any]) -> None:
+        writer.write((json.dumps(message) + "\n").encode())
+        await writer.drain()
+
+    try:
+        line = await reader.readline()
+        request = json.loads(line) if line else {}
+        op = request.get("op") if isinstance(request, dict) else None
+        if op == "ping":
+            await send({"ok": True, "pid": os.getpid(), "inventory": controller.state.fingerprint()})
+        elif op == "status":
+            await send(controller.snapshot().to_dict())
+        elif op == "watch":
+            interval = float(request.get("interval", 1.0))
+            while not controller.finished.is_set():
+                await send(controller.snapshot().to_dict())
+                await controller.wait_change(interval)
+        elif op == "run":
+            try:
+                await controller.generate(request, send)
+            except ClusterError as exc:
+                await send({"event": "error", "message": str(exc)})
+        elif op == "down":
+            await controller.shutdown(stop_workers=not request.get("keep_workers", False))
+            await send({"ok": True})
+        else:
+            await send({"error": f"unknown op {op!r}"})
+    except (ConnectionError, json.JSONDecodeError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
+
+
+async def serve(state: StateDir) -> int:
+    """Run the controller for the cluster whose launch files are in ``state``."""
+    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
+    inventory = inventory.model_copy(update={"source": json.loads(state.launch.read_text())["source"]})
+    launch = Launch.from_dict(json.loads(state.launch.read_text()))
+    controller = Controller(inventory, launch, state)
+    state.socket.unlink(missing_ok=True)
+    server = await asyncio.start_unix_server(
+        lambda r, w: _serve_client(controller, r, w), path=str(state.socket))
+    state.socket.chmod(0o600)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: asyncio.ensure_future(controller.shutdown()))
+    controller.record("controller", f"controller started (pid {os.getpid()})")
+    await controller.start_nodes()
+
+    async def first_start() -> None:
+        try:
+            await controller.start_coordinator()
+        except ClusterError as exc:
+            controller.coordinator.state = CoordinatorState.FAILED
+            controller.coordinator.last_error = str(exc)
+            controller.record("error", str(exc))
+
+    controller._spawn(first_start())
+    await controller.finished.wait()
+    server.close()
+    state.socket.unlink(missing_ok=True)
+    state.pid.unlink(missing_ok=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the detached controller process."""
+    parser = argparse.ArgumentParser(description="ggml-cluster controller (started by `ggml-cluster up`)")
+    parser.add_argument("state_dir")
+    args = parser.parse_args(argv)
+    state = StateDir(Path(args.state_dir))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    state.pid.write_text(str(os.getpid()))
+    return asyncio.run(serve(state))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

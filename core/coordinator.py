@@ -1,0 +1,201 @@
+"""The coordinator: a child process that runs llama-cpp-python with the workers as RPC devices.
+
+It is a separate process on purpose: llama.cpp's RPC client calls abort() when a worker goes away,
+and only this process dies with it. Protocol, JSON lines:
+
+- start-up (stdout): ``{"event": "ready", ...}`` or ``{"event": "error", "message": ...}``
+- request (stdin): ``{"op": "generate", "id", "prompt" | "prompt_tokens", "max_tokens", "temperature",
+  "seed", "replay": [token, ...]}``
+- answers (stdout): ``{"id", "event": "prompt", "tokens"}``, one ``{"id", "event": "token", "token",
+  "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
+
+``replay`` holds tokens generated before a restart: the prompt is evaluated as one batch and each
+replayed token one at a time, exactly as first decoded, so the KV cache and the output are bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import ctypes
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+TOP_K = 40
+TOP_P = 0.95
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """What the coordinator loads and where its workers are."""
+
+    model: str
+    endpoints: tuple[str, ...]
+    tensor_split: tuple[float, ...]
+    context: int
+    threads: int = 1
+
+    def to_json(self) -> str:
+        """Serialise for the child's command line."""
+        return json.dumps({"model": self.model, "endpoints": list(self.endpoints),
+                           "tensor_split": list(self.tensor_split), "context": self.context,
+                           "threads": self.threads})
+
+    @classmethod
+    def from_json(cls, text: str) -> CoordinatorConfig:
+        """Parse what ``to_json`` wrote."""
+        data = json.loads(text)
+        return cls(model=data["model"], endpoints=tuple(data["endpoints"]),
+                   tensor_split=tuple(data["tensor_split"]), context=int(data["context"]),
+                   threads=int(data.get("threads", 1)))
+
+
+def register_rpc_servers(endpoints: tuple[str, ...]) -> None:
+    """Register each endpoint as an RPC backend in llama-cpp-python's own ggml registry.
+
+    llama-cpp-python ignores its `rpc_servers` argument. Load the soname files (libggml.so.0): the
+    wheel also ships copies without `.0`, and loading those gives a second, empty registry.
+    """
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    ggml = ctypes.CDLL(str(lib / "libggml.so.0"), mode=ctypes.RTLD_GLOBAL)
+    rpc = ctypes.CDLL(str(lib / "libggml-rpc.so.0"), mode=ctypes.RTLD_GLOBAL)
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_register.restype = None
+    for endpoint in endpoints:
+        registry = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+        if not registry:
+            raise RuntimeError(f"ggml_backend_rpc_add_server({endpoint}) returned no backend")
+        ggml.ggml_backend_register(registry)
+
+
+def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generator | None) -> int:
+    """Greedy at temperature 0; otherwise top-k, top-p sampling with one draw from ``rng`` per token."""
+    if temperature <= 0 or rng is None:
+        return int(np.argmax(logits))
+    top = np.argpartition(logits, -TOP_K)[-TOP_K:] if logits.size > TOP_K else np.arange(logits.size)
+    top = top[np.argsort(logits[top])[::-1]]
+    scaled = logits[top].astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    keep = int(np.searchsorted(np.cumsum(probs), TOP_P)) + 1
+    probs = probs[:keep] / probs[:keep].sum()
+    index = int(np.searchsorted(np.cumsum(probs), rng.random()))
+    return int(top[min(index, keep - 1)])
+
+
+class Generator:
+    """Owns the loaded model and runs one request at a time."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
+            n_ctx=config.context, n_threads=config.threads, n_threads_batch=config.threads,
+            logits_all=False, verbose=True)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _logits(self) -> np.ndarray:
+        pointer = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def generate(self, request: dict[str, Any], out: IO[str]) -> None:
+        """Run one request, writing its events to ``out``."""
+        rid = request.get("id")
+        llm = self.llm
+        prompt_tokens = request.get("prompt_tokens") or llm.tokenize(
+            str(request.get("prompt", "")).encode(), add_bos=True, special=False)
+        replay = [int(token) for token in request.get("replay", [])]
+        max_tokens = int(request.get("max_tokens", 128))
+        temperature = float(request.get("temperature", 0.0))
+        seed = request.get("seed")
+        budget = min(max_tokens, llm.n_ctx() - len(prompt_tokens)) - len(replay)
+        if len(prompt_tokens) >= llm.n_ctx():
+            _emit(out, {"id": rid, "event": "error", "message":
+                        f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}"})
+            return
+        _emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
+        rng = np.random.default_rng(seed if isinstance(seed, int) else None) if temperature > 0 else None
+        started = time.perf_counter()
+        llm.reset()
+        llm.eval(prompt_tokens)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        for token in replay:
+            if rng is not None:
+                rng.random()  # the draw this token consumed when it was first sampled
+            decoder.decode(llm.detokenize([token]))
+            llm.eval([token])
+        prompt_done = time.perf_counter()
+        generated, reason = 0, "length"
+        while generated < budget:
+            token = choose_token(self._logits(), temperature, rng)
+            if self._lib.llama_vocab_is_eog(self.vocab, token):
+                reason = "stop"
+                break
+            generated += 1
+            _emit(out, {"id": rid, "event": "token", "token": token,
+                        "text": decoder.decode(llm.detokenize([token]))})
+            if generated < budget:
+                llm.eval([token])
+        tail = decoder.decode(b"", final=True)
+        finished = time.perf_counter()
+        _emit(out, {"id": rid, "event": "done", "reason": reason, "text": tail,
+                    "prompt_tokens": len(prompt_tokens), "replayed_tokens": len(replay),
+                    "completion_tokens": generated, "prompt_s": prompt_done - started,
+                    "decode_s": finished - prompt_done})
+
+
+def _emit(out: IO[str], message: dict[str, Any]) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the coordinator child process."""
+    parser = argparse.ArgumentParser(description="ggml-cluster coordinator (started by the controller)")
+    parser.add_argument("config", help="CoordinatorConfig as JSON")
+    args = parser.parse_args(argv)
+    config = CoordinatorConfig.from_json(args.config)
+    out = sys.stdout
+    started = time.perf_counter()
+    try:
+        register_rpc_servers(config.endpoints)
+        generator = Generator(config)
+    except (RuntimeError, ValueError, OSError) as exc:
+        _emit(out, {"event": "error", "message": f"cannot load the model: {exc}"})
+        return 1
+    _emit(out, {"event": "ready", "load_s": time.perf_counter() - started, "n_ctx": generator.llm.n_ctx(),
+                "n_vocab": generator.n_vocab})
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+        except json.JSONDecodeError:
+            _emit(out, {"event": "error", "message": "request is not JSON"})
+            continue
+        if request.get("op") == "generate":
+            try:
+                generator.generate(request, out)
+            except (RuntimeError, ValueError) as exc:
+                _emit(out, {"id": request.get("id"), "event": "error", "message": str(exc)})
+        elif request.get("op") == "shutdown":
+            break
+        else:
+            _emit(out, {"id": request.get("id"), "event": "error",
+                        "message": f"unknown op {request.get('op')!r}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

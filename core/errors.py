@@ -1,0 +1,43 @@
+"""The error tree. Every message names the file, node or field at fault and how to fix it."""
+
+from __future__ import annotations
+
+
+class ClusterError(Exception):
+    """A failure the user can act on; rendered as one line, never a traceback."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class InventoryError(ClusterError):
+    """The inventory file is missing, malformed or inconsistent (bad usage: exit 2)."""
+
+    exit_code = 2
+
+
+class ConnectError(ClusterError):
+    """A node, worker or the controller could not be reached."""
+
+
+class DeployError(ClusterError):
+    """A worker binary could not be built, found or started."""
+
+
+class WorkerError(ClusterError):
+    """A worker answered wrongly (protocol version, memory query) or died."""
+
+
+class PlanError(ClusterError):
+    """The model cannot be placed on the nodes that are available."""
+
+
+class RequestError(ClusterError):
+    """A generation request failed."""

@@ -1,0 +1,347 @@
+"""Load and validate the cluster inventory (YAML) into frozen models, with located one-line errors."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from core.errors import InventoryError
+
+NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
+INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
+DEFAULT_INVENTORY_FILE = "inventory.yaml"
+EMBEDDED_SOURCE = "<embedded default>"
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_size(value: object) -> int:
+    """Parse a memory size such as ``6GiB``, ``512 MB`` or a plain byte count into bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 6GiB or 512MiB")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("a size must be positive")
+        return value
+    if not isinstance(value, str):
+        raise ValueError("expected a size such as 6GiB or 512MiB")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"'{value}' is not a size; write it like 6GiB, 512MiB or 8GB")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError("a size must be positive")
+    return size
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=64)]
+Backend = Literal["auto", "cpu", "cuda", "rocm", "vulkan", "metal"]
+Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BuildPath(_Frozen):
+    """``build: {path: …}``: use an installed ggml-rpc-server."""
+
+    path: str
+
+
+Build = Literal["auto", "remote", "push"] | BuildPath
+
+
+class NodeDefaults(_Frozen):
+    """Fields that ``defaults:`` may set for every node."""
+
+    kind: Literal["local", "ssh"] | None = None
+    port: Port | None = None
+    user: str | None = None
+    identity: str | None = None
+    rpc_port: Port | None = None
+    threads: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
+    backend: Backend | None = None
+    memory: Size | None = None
+    workdir: str | None = None
+    transport: Literal["ssh", "direct"] | None = None
+    build: Build | None = None
+    host_key: Literal["strict", "accept-new"] | None = None
+    labels: dict[str, str] | None = None
+
+
+class Node(_Frozen):
+    """One worker node. ``kind: local`` runs the worker on this machine without SSH."""
+
+    name: Name
+    kind: Literal["local", "ssh"] = "ssh"
+    host: str = ""
+    port: Port = 22
+    user: str | None = None
+    identity: str | None = None
+    rpc_port: Port = 50052
+    threads: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
+    backend: Backend = "auto"
+    memory: Size | None = None
+    workdir: str | None = None
+    transport: Literal["ssh", "direct"] = "ssh"
+    build: Build = "auto"
+    host_key: Literal["strict", "accept-new"] = "strict"
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _host_for_kind(self) -> Node:
+        if self.kind == "ssh" and not self.host:
+            raise ValueError("an ssh node needs 'host' (an address or ~/.ssh/config alias); "
+                             "or set 'kind: local' to run the worker on this machine")
+        return self
+
+    @property
+    def address(self) -> str:
+        """The host that the worker's port lives on, for clash checks."""
+        return "localhost" if self.kind == "local" or self.host in LOOPBACK_HOSTS else self.host
+
+
+class Api(_Frozen):
+    """Where the coordinator's HTTP endpoint listens."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8080
+
+
+class Inventory(_Frozen):
+    """A validated cluster description."""
+
+    cluster: Name
+    model: str | None = None
+    context: Annotated[int, Field(ge=64, le=1 << 20, strict=True)] = 2048
+    api: Api = Field(default_factory=Api)
+    defaults: NodeDefaults = Field(default_factory=NodeDefaults)
+    nodes: tuple[Node, ...]
+    source: str = EMBEDDED_SOURCE
+
+    @property
+    def model_path(self) -> Path | None:
+        """The model file, resolved against the inventory's folder; None means the built-in demo model."""
+        if self.model is None:
+            return None
+        return _resolve(self.model, self.source)
+
+    def workdir(self, node: Node) -> Path | None:
+        """The node's work dir, resolved like every other path in the inventory."""
+        return _resolve(node.workdir, self.source) if node.workdir else None
+
+
+def _resolve(path: str, source: str) -> Path:
+    resolved = Path(os.path.expanduser(path))
+    if not resolved.is_absolute() and source != EMBEDDED_SOURCE:
+        resolved = Path(source).resolve().parent / resolved
+    return resolved
+
+
+def find_inventory(option: str | None) -> Path | None:
+    """The inventory to use: the option, else $GGML_CLUSTER_INVENTORY, else ./inventory.yaml, else None."""
+    if option:
+        return Path(option)
+    env = os.environ.get(INVENTORY_ENV)
+    if env:
+        return Path(env)
+    local = Path(DEFAULT_INVENTORY_FILE)
+    return local if local.is_file() else None
+
+
+def load_inventory(path: Path | None) -> Inventory:
+    """Read and validate an inventory file; None gives the embedded default."""
+    if path is None:
+        return embedded_inventory()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(f"{path}: no such inventory file",
+                             f"fix: pass -i PATH, set ${INVENTORY_ENV}, or copy inventory.example.yaml") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InventoryError(f"{path}: cannot read the inventory: {exc}") from None
+    return parse_inventory(text, str(path))
+
+
+def parse_inventory(text: str, source: str) -> Inventory:
+    """Validate inventory YAML text; ``source`` names the file in every error."""
+    try:
+        raw = yaml.safe_load(text)
+        tree = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InventoryError(f"{source}:{where}: YAML syntax error: {problem}",
+                             "fix: check indentation and quoting near that line") from None
+    locate = _Locator(source, tree)
+    if raw is None:
+        raise InventoryError(f"{source}: the inventory is empty", "fix: see inventory.example.yaml")
+    if not isinstance(raw, dict):
+        raise InventoryError(f"{source}: the inventory must be a mapping with 'cluster' and 'nodes'",
+                             "fix: see inventory.example.yaml")
+    return _build(raw, source, locate)
+
+
+def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
+    raw_defaults = raw.get("defaults") or {}
+    defaults = _validate(NodeDefaults, raw_defaults, ("defaults",), locate)
+    raw_nodes = raw.get("nodes")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise InventoryError(locate.at(("nodes",), "needs a list with at least one node"),
+                             "fix: add nodes, each with at least 'name' (see inventory.example.yaml)")
+    set_defaults = defaults.model_dump(exclude_none=True)
+    nodes = []
+    for index, raw_node in enumerate(raw_nodes):
+        where: tuple[str | int, ...] = ("nodes", index)
+        if not isinstance(raw_node, dict):
+            raise InventoryError(locate.at(where, "each node must be a mapping with at least 'name'"))
+        merged = {**set_defaults, **raw_node}
+        if "labels" in set_defaults and "labels" in raw_node and isinstance(raw_node["labels"], dict):
+            merged["labels"] = {**set_defaults["labels"], **raw_node["labels"]}
+        nodes.append(_validate(Node, merged, where, locate, raw_node.get("name")))
+    _check_unique(nodes, locate)
+    top = {key: value for key, value in raw.items() if key not in ("defaults", "nodes")}
+    top.update(defaults=defaults, nodes=tuple(nodes), source=source)
+    if "source" in raw:
+        raise InventoryError(locate.at(("source",), "unknown key 'source'"), "fix: remove it")
+    inventory = _validate(Inventory, top, (), locate)
+    _check_api_port(inventory, locate)
+    return inventory
+
+
+def _check_unique(nodes: Sequence[Node], locate: _Locator) -> None:
+    names: dict[str, int] = {}
+    ports: dict[tuple[str, int], int] = {}
+    for index, node in enumerate(nodes):
+        if node.name in names:
+            raise InventoryError(
+                locate.at(("nodes", index, "name"), f"duplicate node name '{node.name}' "
+                          f"(also nodes[{names[node.name]}])"), "fix: give every node a unique name")
+        names[node.name] = index
+        key = (node.address, node.rpc_port)
+        if key in ports:
+            other = nodes[ports[key]].name
+            raise InventoryError(
+                locate.at(("nodes", index, "rpc_port"),
+                          f"port {node.rpc_port} clashes with node '{other}' on the same host ({node.address})"),
+                "fix: give each node on one host its own rpc_port")
+        ports[key] = index
+
+
+def _check_api_port(inventory: Inventory, locate: _Locator) -> None:
+    if inventory.api.host not in LOOPBACK_HOSTS:
+        return
+    for index, node in enumerate(inventory.nodes):
+        if node.address == "localhost" and node.rpc_port == inventory.api.port:
+            raise InventoryError(
+                locate.at(("nodes", index, "rpc_port"),
+                          f"port {node.rpc_port} clashes with api.port on this machine"),
+                "fix: use another rpc_port or api.port")
+
+
+def _validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate: _Locator,
+              node_name: object = None) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # A misspelt key also shows up as the real key missing; the misspelling is the useful report.
+        errors = sorted(exc.errors(), key=lambda item: item["type"] != "extra_forbidden")
+        error = errors[0]
+        loc = where + tuple(part for part in error["loc"] if part not in _UNION_TAGS)
+        message, fix = _explain(error, model)
+        label = f" ({node_name})" if isinstance(node_name, str) and node_name else ""
+        raise InventoryError(locate.at(loc, message, label), fix) from None
+
+
+# pydantic names union members in error locations; they mean nothing to a user.
+_UNION_TAGS = frozenset({"literal['auto','remote','push']", "BuildPath", "int", "str",
+                         "function-after[_host_for_kind(), Node]"})
+
+
+def _explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None]:
+    kind = error["type"]
+    got = error.get("input")
+    if kind == "extra_forbidden":
+        key = str(error["loc"][-1])
+        fields = list(getattr(model, "model_fields", {}))
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
+        return f"unknown key '{key}'", f"fix: {hint}"
+    if kind == "missing":
+        return "required field is missing", f"fix: add '{error['loc'][-1]}'"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"expected a whole number, got {got!r}", None
+    if kind in ("string_type",):
+        return f"expected text, got {got!r}", None
+    if kind == "literal_error":
+        return f"got {got!r}; {error['msg'].lower()}", None
+    if kind == "string_pattern_mismatch":
+        return f"{got!r} is not a valid name", "fix: use only letters, digits, '.', '_' and '-'"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"expected a mapping, got {got!r}", None
+    if kind in ("greater_than_equal", "less_than_equal", "too_short", "too_long"):
+        return f"{got!r}: {error['msg'].lower()}", None
+    if kind == "value_error":
+        return str(error["msg"]).removeprefix("Value error, "), None
+    return f"{error['msg']} (got {got!r})", None
+
+
+class _Locator:
+    """Turns a field path into ``file: line N: nodes[1] (name).field: message``."""
+
+    def __init__(self, source: str, tree: yaml.Node | None) -> None:
+        self.source = source
+        self.tree = tree
+
+    def at(self, loc: tuple[str | int, ...], message: str, label: str = "") -> str:
+        path = ""
+        for part in loc:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+            if isinstance(part, int) and path.startswith("nodes") and path.count("[") == 1:
+                path += label
+        line = self._line(loc)
+        where = f"{self.source}:{line}" if line else self.source
+        return f"{where}: {path}: {message}" if path else f"{where}: {message}"
+
+    def _line(self, loc: tuple[str | int, ...]) -> int | None:
+        node = self.tree
+        found = node.start_mark.line + 1 if node is not None else None
+        for part in loc:
+            if isinstance(node, yaml.MappingNode):
+                node = next((value for key, value in node.value if key.value == part), None)
+                if node is None:
+                    return found
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+                node = node.value[part]
+            else:
+                return found
+            found = node.start_mark.line + 1
+        return found
+
+
+def embedded_inventory() -> Inventory:
+    """The built-in default: two local workers on this machine and the demo model."""
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    return Inventory(
+        cluster="demo",
+        context=512,
+        nodes=(
+            Node(name="local-a", kind="local", rpc_port=50152, threads=threads),
+            Node(name="local-b", kind="local", rpc_port=50153, threads=threads),
+        ),
+    )

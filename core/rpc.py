@@ -1,0 +1,144 @@
+"""A small ggml-rpc client: HELLO (version check), DEVICE_COUNT, GET_DEVICE_MEMORY.
+
+Wire format (ggml-rpc.cpp): request ``cmd:u8 | size:u64 | payload``, response ``size:u64 | payload``,
+little-endian and packed. The server serves one client at a time, so only probe a worker that the
+coordinator is not connected to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass
+
+from core.errors import ConnectError, WorkerError
+
+CMD_GET_DEVICE_MEMORY = 11
+CMD_HELLO = 14
+CMD_DEVICE_COUNT = 15
+CONN_CAPS_SIZE = 24
+HELLO_RESPONSE_SIZE = 4 + CONN_CAPS_SIZE
+# No answer this protocol sends is larger; a bigger size means the peer is not a ggml-rpc server.
+MAX_RESPONSE_SIZE = 1 << 20
+
+_HEADER = struct.Struct("<BQ")
+_SIZE = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Version:
+    """An RPC protocol version."""
+
+    major: int
+    minor: int
+    patch: int
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}.{self.patch}"
+
+    def compatible_with(self, client: Version) -> bool:
+        """The rule the client applies (ggml-rpc.cpp negotiate_hello): same major, server minor not newer."""
+        return self.major == client.major and self.minor <= client.minor
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Free and total bytes of one device on a worker."""
+
+    free: int
+    total: int
+
+
+def encode_request(cmd: int, payload: bytes = b"") -> bytes:
+    """One request frame."""
+    return _HEADER.pack(cmd, len(payload)) + payload
+
+
+def decode_size(header: bytes) -> int:
+    """The payload size from a response header, refusing sizes no valid answer has."""
+    if len(header) != _SIZE.size:
+        raise WorkerError(f"truncated RPC response header ({len(header)} of {_SIZE.size} bytes)")
+    (size,) = _SIZE.unpack(header)
+    if size > MAX_RESPONSE_SIZE:
+        raise WorkerError(f"RPC response of {size} bytes is larger than any valid answer; "
+                          "is this port a ggml-rpc-server?")
+    return int(size)
+
+
+def decode_hello(payload: bytes) -> Version:
+    """The server's protocol version from a HELLO answer."""
+    if len(payload) != HELLO_RESPONSE_SIZE:
+        raise WorkerError(f"HELLO answer has {len(payload)} bytes, expected {HELLO_RESPONSE_SIZE}; "
+                          "the worker speaks another RPC protocol")
+    return Version(payload[0], payload[1], payload[2])
+
+
+def decode_device_count(payload: bytes) -> int:
+    """Number of devices from a DEVICE_COUNT answer."""
+    if len(payload) != 4:
+        raise WorkerError(f"DEVICE_COUNT answer has {len(payload)} bytes, expected 4")
+    return int(struct.unpack("<I", payload)[0])
+
+
+def decode_device_memory(payload: bytes) -> DeviceMemory:
+    """Free and total memory from a GET_DEVICE_MEMORY answer."""
+    if len(payload) != 16:
+        raise WorkerError(f"GET_DEVICE_MEMORY answer has {len(payload)} bytes, expected 16")
+    free, total = struct.unpack("<QQ", payload)
+    return DeviceMemory(int(free), int(total))
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a HELLO probe learned about a worker."""
+
+    version: Version
+    devices: tuple[DeviceMemory, ...]
+
+    @property
+    def mem_free(self) -> int:
+        """Free bytes over all devices."""
+        return sum(device.free for device in self.devices)
+
+    @property
+    def mem_total(self) -> int:
+        """Total bytes over all devices."""
+        return sum(device.total for device in self.devices)
+
+
+async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cmd: int, payload: bytes) -> bytes:
+    writer.write(encode_request(cmd, payload))
+    await writer.drain()
+    try:
+        size = decode_size(await reader.readexactly(_SIZE.size))
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise WorkerError(f"connection closed after {len(exc.partial)} bytes of an RPC answer") from None
+
+
+async def probe_worker(host: str, port: int, timeout: float = 5.0) -> WorkerInfo:
+    """Connect, HELLO, and read every device's memory; raises ConnectError/WorkerError."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError) as exc:
+        raise ConnectError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
+    try:
+        async with asyncio.timeout(timeout):
+            version = decode_hello(await _call(reader, writer, CMD_HELLO, bytes(CONN_CAPS_SIZE)))
+            count = decode_device_count(await _call(reader, writer, CMD_DEVICE_COUNT, b""))
+            devices = []
+            for index in range(count):
+                answer = await _call(reader, writer, CMD_GET_DEVICE_MEMORY, struct.pack("<I", index))
+                devices.append(decode_device_memory(answer))
+    except TimeoutError:
+        raise ConnectError(f"{host}:{port} did not answer HELLO within {timeout:g}s "
+                           "(busy with another client, or not a ggml-rpc-server)") from None
+    except OSError as exc:
+        raise ConnectError(f"{host}:{port}: {exc}") from None
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+    return WorkerInfo(version, tuple(devices))

@@ -1,0 +1,142 @@
+"""Cluster state as plain, JSON-serialisable data: what `status` shows and the controller publishes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class NodeState(StrEnum):
+    """Where a node's worker is in its life."""
+
+    PENDING = "pending"        # known from the inventory, not started yet
+    STARTING = "starting"      # process started, not yet answering HELLO
+    READY = "ready"            # answered HELLO with the right protocol version
+    RESTARTING = "restarting"  # exited; the supervisor is restarting it
+    FAILED = "failed"          # crash loop or unrecoverable error; excluded
+    STOPPED = "stopped"
+
+
+class CoordinatorState(StrEnum):
+    """Where the coordinator (llama-cpp-python process) is in its life."""
+
+    STOPPED = "stopped"
+    LOADING = "loading"
+    READY = "ready"
+    GENERATING = "generating"
+    FAILED = "failed"
+
+
+@dataclass
+class Event:
+    """Something that happened, for the event log and the dashboard."""
+
+    time: float
+    kind: str
+    message: str
+    node: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+@dataclass
+class NodeStatus:
+    """One node as the controller sees it."""
+
+    name: str
+    host: str
+    kind: str
+    rpc_port: int
+    arch: str = ""
+    backend: str = ""
+    state: NodeState = NodeState.PENDING
+    layers: tuple[int, int] | None = None  # [first, last] inclusive, None when the node holds none
+    mem_total: int = 0
+    mem_free: int = 0
+    restarts: int = 0
+    pid: int | None = None
+    last_status: str = ""
+    last_error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        data = asdict(self)
+        data["state"] = str(self.state)
+        data["layers"] = list(self.layers) if self.layers else None
+        return data
+
+
+@dataclass
+class CoordinatorStatus:
+    """The coordinator as the controller sees it."""
+
+    state: CoordinatorState = CoordinatorState.STOPPED
+    endpoint: str = ""
+    pid: int | None = None
+    restarts: int = 0
+    last_error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        data = asdict(self)
+        data["state"] = str(self.state)
+        return data
+
+
+@dataclass
+class ClusterStatus:
+    """A snapshot of the whole cluster."""
+
+    cluster: str
+    model: str
+    coordinator: CoordinatorStatus
+    nodes: list[NodeStatus]
+    events: list[Event] = field(default_factory=list)
+    n_layers: int = 0
+    tensor_split: list[float] = field(default_factory=list)
+    controller_pid: int | None = None
+    started_at: float = field(default_factory=time.time)
+    requests_served: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON (`status --json`)."""
+        return {
+            "cluster": self.cluster,
+            "model": self.model,
+            "coordinator": self.coordinator.to_dict(),
+            "nodes": [node.to_dict() for node in self.nodes],
+            "events": [event.to_dict() for event in self.events],
+            "n_layers": self.n_layers,
+            "tensor_split": self.tensor_split,
+            "controller_pid": self.controller_pid,
+            "started_at": self.started_at,
+            "requests_served": self.requests_served,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterStatus:
+        """Rebuild a snapshot received as JSON."""
+        coordinator = dict(data["coordinator"])
+        coordinator["state"] = CoordinatorState(coordinator["state"])
+        nodes = []
+        for raw in data["nodes"]:
+            node = dict(raw)
+            node["state"] = NodeState(node["state"])
+            node["layers"] = tuple(node["layers"]) if node.get("layers") else None
+            nodes.append(NodeStatus(**node))
+        return cls(
+            cluster=data["cluster"],
+            model=data["model"],
+            coordinator=CoordinatorStatus(**coordinator),
+            nodes=nodes,
+            events=[Event(**event) for event in data.get("events", [])],
+            n_layers=data.get("n_layers", 0),
+            tensor_split=list(data.get("tensor_split", [])),
+            controller_pid=data.get("controller_pid"),
+            started_at=data.get("started_at", 0.0),
+            requests_served=data.get("requests_served", 0),
+        )

@@ -1,0 +1,77 @@
+#!/bin/sh
+# Supervises one ggml-rpc-server on its node: restarts it with backoff when it exits, and records every
+# start and exit as a JSON line in events.jsonl. Plain POSIX sh, so a node needs no Python.
+# usage: supervise.sh DIR MAX_EXITS WINDOW_S MAX_BACKOFF_S COMMAND [ARG...]
+#   MAX_EXITS exits within WINDOW_S seconds is a crash loop: the supervisor records "failed" and stops.
+#   Restarts wait 1 s, then twice as long each time, up to MAX_BACKOFF_S.
+set -u
+dir=$1 max_exits=$2 window=$3 max_backoff=$4
+shift 4
+cd "$dir" || exit 1
+echo $$ > supervisor.pid
+
+child=
+sleeper=
+stopping=0
+backoff=1
+exits=
+
+emit() {
+    printf '{"time":%s,"kind":"%s"%s}\n' "$(date +%s)" "$1" "${2:-}" >> events.jsonl
+}
+
+on_stop() {
+    stopping=1
+    if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null; fi
+    if [ -n "$sleeper" ]; then kill "$sleeper" 2>/dev/null; fi
+}
+trap on_stop TERM INT HUP
+
+finish() {
+    emit "$1" "${2:-}"
+    rm -f worker.pid supervisor.pid
+    exit 0
+}
+
+while :; do
+    offset=$(wc -c < worker.log 2>/dev/null || echo 0)
+    started=$(date +%s)
+    "$@" >> worker.log 2>&1 < /dev/null &
+    child=$!
+    echo "$child" > worker.pid
+    emit started ",\"pid\":$child,\"log_offset\":$((offset + 0))"
+    wait "$child"
+    code=$?
+    # A trapped signal ends `wait` early; wait again until the worker itself has exited.
+    while kill -0 "$child" 2>/dev/null; do
+        wait "$child"
+        code=$?
+    done
+    child=
+    rm -f worker.pid
+    if [ "$stopping" = 1 ]; then finish stopped ",\"code\":$code"; fi
+    now=$(date +%s)
+    emit exit ",\"code\":$code,\"ran_s\":$((now - started)),\"log_offset\":$((offset + 0))"
+
+    recent=0 kept=
+    for t in $exits $now; do
+        if [ $((now - t)) -lt "$window" ]; then recent=$((recent + 1)) kept="$kept $t"; fi
+    done
+    exits=$kept
+    if [ "$recent" -ge "$max_exits" ]; then
+        emit failed ",\"exits\":$recent,\"window_s\":$window"
+        rm -f supervisor.pid
+        exit 1
+    fi
+
+    # A worker that ran a while was healthy: start over from a short backoff.
+    if [ $((now - started)) -ge 60 ]; then backoff=1; fi
+    emit backoff ",\"seconds\":$backoff"
+    sleep "$backoff" &
+    sleeper=$!
+    wait "$sleeper" 2>/dev/null
+    sleeper=
+    if [ "$stopping" = 1 ]; then finish stopped; fi
+    backoff=$((backoff * 2))
+    if [ "$backoff" -gt "$max_backoff" ]; then backoff=$max_backoff; fi
+done

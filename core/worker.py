@@ -1,0 +1,204 @@
+"""Start, adopt and stop a supervised ggml-rpc-server on a node, and read its event stream.
+
+The supervisor (supervise.sh) runs on the node, detached, so a worker outlives the controller and a
+later `up` adopts it. It writes into the worker's work dir: supervisor.pid, worker.pid, worker.log,
+events.jsonl, and `command` (what it runs, for adoption).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import DeployError
+from core.remote import Remote, shell_command
+
+SUPERVISOR = Path(__file__).with_name("supervise.sh")
+# Five exits within a minute is a crash loop, not bad luck.
+CRASH_LOOP_EXITS = 5
+CRASH_LOOP_WINDOW_S = 60
+MAX_BACKOFF_S = 30
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker as its node should run it."""
+
+    node: str
+    workdir: str
+    binary: str
+    port: int
+    threads: int | None = None
+    bind: str = "127.0.0.1"
+    cache: str | None = None  # LLAMA_CACHE for the worker's tensor cache (-c)
+    max_exits: int = CRASH_LOOP_EXITS
+    window_s: int = CRASH_LOOP_WINDOW_S
+    max_backoff_s: int = MAX_BACKOFF_S
+
+    def argv(self) -> list[str]:
+        """The ggml-rpc-server command line."""
+        argv = [self.binary, "-H", self.bind, "-p", str(self.port), "-c"]
+        if self.threads:
+            argv += ["-t", str(self.threads)]
+        return argv
+
+    def command(self) -> str:
+        """The worker's command as the supervisor runs it; also its identity for adoption."""
+        env = ["env", f"LLAMA_CACHE={self.cache}"] if self.cache else []
+        return shell_command([*env, *self.argv()])
+
+    def supervisor_command(self) -> str:
+        """Detached supervisor start: survives the controller and the SSH session that started it."""
+        script = f"{self.workdir}/supervise.sh"
+        inner = shell_command(["sh", script, self.workdir, str(self.max_exits), str(self.window_s),
+                               str(self.max_backoff_s)])
+        detach = "if command -v setsid >/dev/null 2>&1; then exec setsid \"$@\"; else exec nohup \"$@\"; fi"
+        return (f"cd {shell_command([self.workdir])} && "
+                f"sh -c {shell_command([detach])} sh {inner} {self.command()} "
+                "</dev/null >>supervisor.log 2>&1 &")
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """One line of a supervisor's events.jsonl."""
+
+    time: float
+    kind: str  # started | exit | backoff | failed | stopped
+    pid: int | None = None
+    code: int | None = None
+    log_offset: int | None = None
+    ran_s: int | None = None
+    seconds: int | None = None
+
+
+def parse_event(line: str) -> WorkerEvent | None:
+    """Parse one events.jsonl line; None for anything that is not a complete event."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+        return None
+    fields = ("pid", "code", "log_offset", "ran_s", "seconds")
+    values = {key: data[key] for key in fields if isinstance(data.get(key), int)}
+    return WorkerEvent(time=float(data.get("time", 0)), kind=data["kind"], **values)
+
+
+_ASSERT = re.compile(r"GGML_ASSERT\((?P<expr>.*)\) failed")
+_ABORT = re.compile(r"\.(?:c|cpp|cu|m):\d+: (?P<message>.+)$")
+_OOM = re.compile(r"out of memory|cudaMalloc failed|failed to allocate|unable to allocate|std::bad_alloc|"
+                  r"hipMalloc failed|ErrorOutOfDeviceMemory", re.IGNORECASE)
+
+
+def classify_exit(code: int, log_text: str) -> str:
+    """A one-line cause for a worker exit, from its exit status and the log it wrote since it started."""
+    how = _describe_code(code)
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    if any("Failed to create server socket" in line for line in lines):
+        return f"{how}: port already in use or not bindable"
+    for line in reversed(lines):
+        if _OOM.search(line):
+            return f"{how}: out of memory ({line[:120]})"
+    for line in reversed(lines):
+        match = _ASSERT.search(line)
+        if match:
+            expr = match.group("expr")
+            if "GGML_STATUS_SUCCESS" in expr:
+                return f"{how}: graph compute failed (GGML_ASSERT status == GGML_STATUS_SUCCESS)"
+            return f"{how}: GGML_ASSERT({expr}) failed"
+    for line in reversed(lines):
+        match = _ABORT.search(line)
+        if match and code in (134, -6):
+            return f"{how}: {match.group('message')[:160]}"
+    errors = [line for line in lines if re.search(r"\berror\b", line, re.IGNORECASE)]
+    if errors and code not in (137, 143):
+        return f"{how}: {errors[-1][:160]}"
+    return how
+
+
+def _describe_code(code: int) -> str:
+    number = code - 128 if code > 128 else -code if code < 0 else 0
+    if number:
+        try:
+            return f"killed by {signal.Signals(number).name}"
+        except ValueError:
+            return f"killed by signal {number}"
+    return f"exit code {code}"
+
+
+def event_path(spec: WorkerSpec) -> str:
+    """Where the supervisor writes its events."""
+    return f"{spec.workdir}/events.jsonl"
+
+
+async def install(remote: Remote, spec: WorkerSpec) -> None:
+    """Create the work dir and put the supervisor script in it."""
+    result = await remote.run(f"mkdir -p {shell_command([spec.workdir])}")
+    if result.code != 0:
+        raise DeployError(f"node {spec.node}: cannot create work dir {spec.workdir}: {result.stderr.strip()}")
+    await remote.upload(SUPERVISOR, f"{spec.workdir}/supervise.sh", 0o755)
+
+
+async def running_supervisor(remote: Remote, spec: WorkerSpec) -> tuple[int, str] | None:
+    """The live supervisor's pid and the worker command it runs, or None."""
+    workdir = shell_command([spec.workdir])
+    result = await remote.run(
+        f"cd {workdir} 2>/dev/null && pid=$(cat supervisor.pid 2>/dev/null) && kill -0 \"$pid\" 2>/dev/null "
+        "&& echo \"$pid\" && cat command")
+    lines = result.stdout.splitlines()
+    if result.code != 0 or not lines or not lines[0].isdigit():
+        return None
+    return int(lines[0]), "\n".join(lines[1:])
+
+
+async def start(remote: Remote, spec: WorkerSpec) -> bool:
+    """Start the worker under its supervisor, or adopt the one already running it.
+
+    Returns True when an existing worker was adopted. A supervisor running another command is stopped.
+    """
+    current = await running_supervisor(remote, spec)
+    if current is not None and current[1] == spec.command():
+        return True
+    if current is not None:
+        await stop(remote, spec)
+    await install(remote, spec)
+    workdir = shell_command([spec.workdir])
+    command_file = shell_command([f"{spec.workdir}/command"])
+    write = await remote.run(f"printf '%s' {shell_command([spec.command()])} > {command_file} && "
+                             f"rm -f {workdir}/supervisor.pid && {spec.supervisor_command()}")
+    if write.code != 0:
+        raise DeployError(f"node {spec.node}: cannot start the worker: {write.stderr.strip() or write.code}")
+    for _ in range(50):
+        if await running_supervisor(remote, spec) is not None:
+            return False
+        await asyncio.sleep(0.1)
+    log = await remote.run(f"tail -n 5 {workdir}/supervisor.log")
+    raise DeployError(f"node {spec.node}: the worker supervisor did not start: "
+                      f"{log.stdout.strip() or 'no output'}")
+
+
+async def stop(remote: Remote, spec: WorkerSpec, timeout: float = 10.0) -> None:
+    """Stop the supervisor and its worker; kill them if they do not stop within ``timeout``."""
+    workdir = shell_command([spec.workdir])
+    script = (
+        f"cd {workdir} 2>/dev/null || exit 0; "
+        "sup=$(cat supervisor.pid 2>/dev/null); wrk=$(cat worker.pid 2>/dev/null); "
+        "[ -n \"$sup\" ] && kill -TERM \"$sup\" 2>/dev/null; "
+        f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
+        "  alive=0; for p in $sup $wrk; do kill -0 \"$p\" 2>/dev/null && alive=1; done; "
+        "  [ $alive = 0 ] && break; sleep 0.1; i=$((i+1)); done; "
+        "for p in $sup $wrk; do kill -KILL \"$p\" 2>/dev/null; done; "
+        "rm -f supervisor.pid worker.pid; exit 0"
+    )
+    await remote.run(script, timeout=timeout + 5)
+
+
+async def read_log(remote: Remote, spec: WorkerSpec, offset: int, limit: int = 65536) -> str:
+    """The worker's log from ``offset`` (at most the last ``limit`` bytes of it)."""
+    path = shell_command([f"{spec.workdir}/worker.log"])
+    result = await remote.run(f"tail -c +{int(offset) + 1} {path} 2>/dev/null | tail -c {int(limit)}")
+    return result.stdout

@@ -1,0 +1,111 @@
+"""Shared helpers: free ports, short state dirs, the real CLI, and process checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CLI = str(Path(sys.executable).with_name("ggml-cluster"))
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Cluster:
+    """A real cluster driven through the `ggml-cluster` command."""
+
+    def __init__(self, root: Path, nodes: int, context: int = 512) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.ports = [free_port() for _ in range(nodes)]
+        self.inventory = root / "inventory.yaml"
+        lines = [f"cluster: test{os.getpid()}", f"context: {context}", "nodes:"]
+        for index, port in enumerate(self.ports):
+            lines += [f"  - name: n{index}", "    kind: local", f"    rpc_port: {port}", "    threads: 1"]
+        self.inventory.write_text("\n".join(lines) + "\n")
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "GGML_CLUSTER_STATE_DIR": str(self.state)}
+
+    def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([CLI, "-i", str(self.inventory), *args], capture_output=True, text=True,
+                                env=self.env(), timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"ggml-cluster {' '.join(args)} exited {result.returncode}:\n"
+                                 f"{result.stdout}\n{result.stderr}")
+        return result
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([CLI, "-i", str(self.inventory), *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=self.env())
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    def worker_pid(self, node: str) -> int:
+        return int((self.state / "nodes" / node / "worker.pid").read_text())
+
+    def supervisor_pid(self, node: str) -> int:
+        return int((self.state / "nodes" / node / "supervisor.pid").read_text())
+
+    def processes(self) -> list[int]:
+        """Every live process that belongs to this cluster (controller, coordinator, supervisors, workers)."""
+        result = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True)
+        mine = []
+        for line in result.stdout.splitlines():
+            pid, _, args = line.strip().partition(" ")
+            ours = str(self.state) in args or any(
+                f"-p {port} " in args + " " or f"127.0.0.1:{port}" in args for port in self.ports)
+            if ours:
+                if int(pid) != os.getpid() and alive(int(pid)):
+                    mine.append(int(pid))
+        return mine
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary folder (Unix socket paths are limited to ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="gct-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster3() -> Iterator[Cluster]:
+    """A running 3-worker local cluster on the demo model, shared by a module's tests."""
+    root = Path(tempfile.mkdtemp(prefix="gc3-", dir="/tmp"))
+    cluster = Cluster(root, nodes=3)
+    cluster.cli("up")
+    yield cluster
+    cluster.cli("down", check=False)
+    shutil.rmtree(root, ignore_errors=True)

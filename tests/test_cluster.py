@@ -1,0 +1,149 @@
+"""End to end on one machine: real ggml-rpc-server workers, the real coordinator, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import Cluster, alive, listening
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+PROMPT = "The cluster"
+DOCUMENTED_NODE_FIELDS = {"name", "host", "arch", "backend", "state", "layers", "mem_total", "mem_free",
+                          "restarts", "last_status", "last_error"}
+
+REFERENCE = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_gpu_layers=0, n_ctx=512, n_threads=1, verbose=False)
+out = llm.create_completion(sys.argv[2], max_tokens=int(sys.argv[3]), temperature=0.0)
+print(json.dumps({"text": out["choices"][0]["text"], "tokens": out["usage"]["completion_tokens"]}))
+"""
+
+
+def single_process(model: str, prompt: str, tokens: int) -> dict:
+    """The same model in one process, no RPC, through llama-cpp-python's own completion API."""
+    result = subprocess.run([sys.executable, "-c", REFERENCE, model, prompt, str(tokens)],
+                            capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(result.stdout)
+
+
+def test_up_shows_every_worker_ready_with_its_layers(cluster3: Cluster) -> None:
+    status = cluster3.status()
+    assert status["coordinator"]["state"] == "ready"
+    assert status["coordinator"]["endpoint"]
+    assert [node["name"] for node in status["nodes"]] == ["n0", "n1", "n2"]
+    for node in status["nodes"]:
+        assert DOCUMENTED_NODE_FIELDS <= set(node)
+        assert node["state"] == "ready"
+        assert node["mem_total"] > 0 and node["mem_free"] > 0
+    # 8 layers + output over three equal workers, exactly as llama.cpp assigns them.
+    assert [node["layers"] for node in status["nodes"]] == [[0, 2], [3, 5], [6, 7]]
+    assert {"time", "node", "kind", "message"} <= set(status["events"][-1])
+    assert status["cluster"] and status["model"]
+    text = cluster3.cli("status", "--once").stdout
+    assert "n0" in text and "0-2" in text and "6-7" in text
+
+
+def test_greedy_text_equals_single_process(cluster3: Cluster) -> None:
+    result = json.loads(cluster3.cli("run", PROMPT, "-n", "64", "--json").stdout)
+    model = json.loads((cluster3.state / "launch.json").read_text())["model"]
+    reference = single_process(model, PROMPT, 64)
+    assert result["completion_tokens"] == 64 == reference["tokens"]
+    assert result["text"] == reference["text"]
+    assert result["recoveries"] == []
+
+
+def test_run_streams_text_to_stdout(cluster3: Cluster) -> None:
+    streamed = cluster3.cli("run", PROMPT, "-n", "16")
+    as_json = json.loads(cluster3.cli("run", PROMPT, "-n", "16", "--json").stdout)
+    assert streamed.stdout == as_json["text"] + "\n"
+    assert "16 tokens" in streamed.stderr
+
+
+def test_second_up_changes_nothing(cluster3: Cluster) -> None:
+    before = {node: cluster3.worker_pid(node) for node in ("n0", "n1", "n2")}
+    controller = int((cluster3.state / "controller.pid").read_text())
+    started = time.monotonic()
+    result = cluster3.cli("up")
+    elapsed = time.monotonic() - started
+    assert "already up" in result.stderr
+    assert {node: cluster3.worker_pid(node) for node in before} == before
+    assert int((cluster3.state / "controller.pid").read_text()) == controller
+    print(f"second up: {elapsed:.2f}s")
+
+
+def test_killed_worker_mid_generation_resumes_with_identical_text(cluster3: Cluster) -> None:
+    expected = json.loads(cluster3.cli("run", PROMPT, "-n", "400", "--json").stdout)["text"]
+    victim = cluster3.worker_pid("n1")
+    run = cluster3.popen("run", PROMPT, "-n", "400", "--json")
+    assert run.stdout is not None
+    time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while cluster3.status()["coordinator"]["state"] != "generating" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    subprocess.run(["kill", "-9", str(victim)], check=True)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 0, stderr
+    result = json.loads(stdout)
+    assert result["text"] == expected
+    assert len(result["recoveries"]) == 1
+    assert "recovering" in stderr
+    node = next(node for node in cluster3.status()["nodes"] if node["name"] == "n1")
+    assert node["restarts"] == 1 and "SIGKILL" in node["last_status"]
+    assert node["state"] == "ready" and cluster3.worker_pid("n1") != victim
+
+
+def test_killed_controller_is_replaced_and_workers_adopted(cluster3: Cluster) -> None:
+    workers = {node: cluster3.worker_pid(node) for node in ("n0", "n1", "n2")}
+    controller = int((cluster3.state / "controller.pid").read_text())
+    subprocess.run(["kill", "-9", str(controller)], check=True)
+    deadline = time.monotonic() + 10
+    while alive(controller) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster3.cli("up")
+    assert {node: cluster3.worker_pid(node) for node in workers} == workers
+    assert int((cluster3.state / "controller.pid").read_text()) != controller
+    events = [event["message"] for event in cluster3.status()["events"]]
+    assert sum("adopted" in message for message in events) == 3
+
+
+def test_down_leaves_no_process_behind(short_tmp) -> None:
+    cluster = Cluster(short_tmp, nodes=2)
+    cluster.cli("up")
+    assert len(cluster.processes()) >= 6  # controller, coordinator, 2 supervisors, 2 workers
+    assert all(listening(port) for port in cluster.ports)
+    cluster.cli("down")
+    deadline = time.monotonic() + 5
+    while cluster.processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.processes() == []
+    assert not any(listening(port) for port in cluster.ports)
+    assert not (cluster.state / "control.sock").exists()
+    assert "not running" in cluster.cli("down").stderr
+
+
+def test_down_after_controller_was_killed_still_stops_workers(short_tmp) -> None:
+    cluster = Cluster(short_tmp, nodes=2)
+    cluster.cli("up")
+    subprocess.run(["kill", "-9", (cluster.state / "controller.pid").read_text().strip()], check=True)
+    result = cluster.cli("down")
+    assert "leftover workers" in result.stderr
+    deadline = time.monotonic() + 5
+    while cluster.processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.processes() == []
+
+
+def test_commands_on_a_cluster_that_is_not_up_fail_clearly(short_tmp) -> None:
+    cluster = Cluster(short_tmp, nodes=1)
+    for command in (["status", "--once"], ["run", "hi"]):
+        result = cluster.cli(*command, check=False)
+        assert result.returncode == 1
+        assert result.stderr.strip().count("\n") == 0
+        assert "not running" in result.stderr and "ggml-cluster up" in result.stderr
