@@ -19,11 +19,11 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import TextIO
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TextIO
 
 from core.errors import DeployError
 from core.rpc import Version

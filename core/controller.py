@@ -27,7 +27,7 @@ from core.errors import ClusterError, PlanError, RequestError, WorkerError
 from core.inventory import Inventory, Node, parse_inventory
 from core.model import ModelFacts, read_model
 from core.planner import NodeCapacity, Plan, assign_layers, plan_memory
-from core.remote import LocalRemote, Remote
+from core.remote import LocalRemote, Remote, shell_command
 from core.rpc import Version, probe_worker
 from core.state import StateDir
 from core.status import (
@@ -181,12 +181,12 @@ class Controller:
 
     async def _events_size(self, runtime: NodeRuntime) -> int:
         path = worker.event_path(runtime.spec)
-        result = await runtime.remote.run(f"wc -c < {worker.shell_command([path])} 2>/dev/null || echo 0")
+        result = await runtime.remote.run(f"wc -c < {shell_command([path])} 2>/dev/null || echo 0")
         text = result.stdout.strip()
         return int(text) if text.isdigit() else 0
 
     async def _follow(self, runtime: NodeRuntime, offset: int) -> None:
-        path = worker.shell_command([worker.event_path(runtime.spec)])
+        path = shell_command([worker.event_path(runtime.spec)])
         async for line in runtime.remote.follow(f"tail -c +{offset + 1} -F {path} 2>/dev/null"):
             event = worker.parse_event(line)
             if event is not None and not self._stopping:

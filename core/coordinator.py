@@ -129,7 +129,7 @@ class Generator:
         _emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
         rng = np.random.default_rng(seed if isinstance(seed, int) else None) if temperature > 0 else None
         started = time.perf_counter()
-        llm.reset()
+        llm.reset()  # type: ignore[no-untyped-call]
         llm.eval(prompt_tokens)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         for token in replay:

@@ -219,7 +219,7 @@ def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
     top.update(defaults=defaults, nodes=tuple(nodes), source=source)
     if "source" in raw:
         raise InventoryError(locate.at(("source",), "unknown key 'source'"), "fix: remove it")
-    inventory = _validate(Inventory, top, (), locate)
+    inventory: Inventory = _validate(Inventory, top, (), locate)
     _check_api_port(inventory, locate)
     return inventory
 

@@ -114,7 +114,7 @@ def _demo_vocab() -> tuple[list[str], list[float], list[int], list[bool]]:
     return tokens, scores, types, words
 
 
-def write_demo_model(path: Path, n_layers: int = 8, n_embd: int = 128, n_ff: int = 352,
+def write_demo_model(path: Path, *, n_layers: int = 8, n_embd: int = 128, n_ff: int = 352,
                      n_head: int = 4, n_head_kv: int = 2, seed: int = 1234) -> Path:
     """Write a small llama-architecture GGUF with seeded random f16 weights (a few MB), atomically."""
     import gguf
@@ -125,7 +125,8 @@ def write_demo_model(path: Path, n_layers: int = 8, n_embd: int = 128, n_ff: int
     rng = np.random.default_rng(seed)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float16)
+        values: np.ndarray = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float16)
+        return values
 
     def norm() -> np.ndarray:
         return np.ones(n_embd, dtype=np.float32)

@@ -8,6 +8,7 @@ coordinator is not connected to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from dataclasses import dataclass
 
@@ -137,8 +138,6 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0) -> WorkerInfo
         raise ConnectError(f"{host}:{port}: {exc}") from None
     finally:
         writer.close()
-        try:
+        with contextlib.suppress(OSError):
             await writer.wait_closed()
-        except OSError:
-            pass
     return WorkerInfo(version, tuple(devices))

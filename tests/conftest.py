@@ -86,9 +86,8 @@ class Cluster:
             pid, _, args = line.strip().partition(" ")
             ours = str(self.state) in args or any(
                 f"-p {port} " in args + " " or f"127.0.0.1:{port}" in args for port in self.ports)
-            if ours:
-                if int(pid) != os.getpid() and alive(int(pid)):
-                    mine.append(int(pid))
+            if ours and int(pid) != os.getpid() and alive(int(pid)):
+                mine.append(int(pid))
         return mine
 
 

@@ -1,0 +1,118 @@
+"""The ggml-rpc client: framing, hostile peers, and a real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from core import rpc
+from core.build import worker_binary
+from core.errors import ConnectError, WorkerError
+from tests.conftest import free_port, listening
+
+
+def test_request_frame_layout() -> None:
+    frame = rpc.encode_request(rpc.CMD_HELLO, bytes(24))
+    assert frame[0] == 14 and struct.unpack("<Q", frame[1:9])[0] == 24 and len(frame) == 33
+
+
+def test_hello_answer() -> None:
+    assert rpc.decode_hello(bytes([7, 0, 0, 0]) + bytes(24)) == rpc.Version(7, 0, 0)
+    with pytest.raises(WorkerError, match="another RPC protocol"):
+        rpc.decode_hello(bytes([3, 0, 0]))
+
+
+def test_sizes_no_answer_can_have_are_refused() -> None:
+    with pytest.raises(WorkerError, match="larger than any valid answer"):
+        rpc.decode_size(struct.pack("<Q", 2**64 - 1))
+    with pytest.raises(WorkerError, match="truncated"):
+        rpc.decode_size(b"\x01\x02")
+
+
+def test_device_answers() -> None:
+    assert rpc.decode_device_count(struct.pack("<I", 2)) == 2
+    assert rpc.decode_device_memory(struct.pack("<QQ", 5, 9)) == rpc.DeviceMemory(5, 9)
+    with pytest.raises(WorkerError):
+        rpc.decode_device_memory(b"\x00" * 8)
+
+
+def test_version_rule_is_the_clients() -> None:
+    client = rpc.Version(7, 0, 0)
+    assert rpc.Version(7, 0, 3).compatible_with(client)
+    assert not rpc.Version(7, 1, 0).compatible_with(client)
+    assert not rpc.Version(6, 0, 0).compatible_with(client)
+
+
+async def _serve(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+                 check: Callable[[int], Awaitable[None]]) -> None:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        await check(port)
+
+
+def test_peer_with_a_huge_size_is_refused_without_allocating() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(33)
+        writer.write(struct.pack("<Q", 2**63))
+        await writer.drain()
+
+    async def check(port: int) -> None:
+        with pytest.raises(WorkerError, match="larger than any valid answer"):
+            await rpc.probe_worker("127.0.0.1", port, timeout=2)
+
+    asyncio.run(_serve(handler, check))
+
+
+def test_silent_peer_times_out() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+
+    async def check(port: int) -> None:
+        with pytest.raises(ConnectError, match="did not answer HELLO"):
+            await rpc.probe_worker("127.0.0.1", port, timeout=0.3)
+
+    asyncio.run(_serve(handler, check))
+
+
+def test_peer_that_hangs_up_mid_answer() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(33)
+        writer.write(struct.pack("<Q", 28) + b"\x07\x00")
+        await writer.drain()
+        writer.close()
+
+    async def check(port: int) -> None:
+        with pytest.raises(WorkerError, match="connection closed"):
+            await rpc.probe_worker("127.0.0.1", port, timeout=2)
+
+    asyncio.run(_serve(handler, check))
+
+
+def test_nobody_listening() -> None:
+    with pytest.raises(ConnectError, match="cannot connect"):
+        asyncio.run(rpc.probe_worker("127.0.0.1", free_port(), timeout=1))
+
+
+@pytest.mark.integration
+def test_real_worker_answers_hello_and_memory() -> None:
+    binary = worker_binary("cpu")
+    port = free_port()
+    worker = subprocess.Popen([str(binary.path), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not listening(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = asyncio.run(rpc.probe_worker("127.0.0.1", port))
+    finally:
+        worker.kill()
+        worker.wait()
+    assert info.version == binary.protocol == rpc.Version(7, 0, 0)
+    assert len(info.devices) >= 1
+    assert 0 < info.mem_free <= info.mem_total
