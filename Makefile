@@ -25,7 +25,7 @@ system-deps:
 
 $(SDIST):
 	@mkdir -p $(CACHE)/src
-	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CACHE)/src
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CACHE)/src
 
 $(STAMP): pyproject.toml Makefile | system-deps $(SDIST)
 	$(PYTHON) -m venv $(VENV)

@@ -79,7 +79,9 @@ def _inventory() -> Inventory:
 
 
 @app.command()
-def up() -> None:
+def up(
+    require_all: Annotated[bool, typer.Option("--require-all", help="Fail unless every node comes up.")] = False,
+) -> None:
     """Start the cluster (workers, controller, coordinator) and wait until it can serve.
 
     Idempotent: with nothing changed it returns at once; a changed inventory restarts the cluster.
@@ -113,7 +115,7 @@ def up() -> None:
 
     async def work() -> client.UpResult:
         try:
-            return await client.bring_up(inventory, on_status, on_build)
+            return await client.bring_up(inventory, on_status, on_build, require_all)
         finally:
             progress.stop()
 
@@ -125,6 +127,10 @@ def up() -> None:
         err.print(f"cluster '{inventory.cluster}' restarted with the changed inventory")
     out.print(status_view(snapshot, events=0))
     ready = sum(node.state == NodeState.READY for node in snapshot.nodes)
+    failed = client.failed_nodes(snapshot)
+    if failed:
+        err.print(f"[yellow]warning:[/yellow] running on {ready} of {len(snapshot.nodes)} nodes; left out: "
+                  f"{'; '.join(failed)}", soft_wrap=True, highlight=False)
     err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
               f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
 

@@ -122,7 +122,7 @@ def source_tree(version: str, progress: Progress) -> Path:
         if not archive.is_file():
             progress(f"downloading {PACKAGE}=={version} source", None)
             result = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", PACKAGE,
                  f"{PACKAGE}=={version}", "-d", str(root)],
                 capture_output=True, text=True, check=False)
             if result.returncode != 0 or not archive.is_file():

@@ -23,7 +23,7 @@ from core.inventory import Inventory, parse_inventory
 from core.model import demo_model, read_model
 from core.remote import LocalRemote
 from core.state import StateDir, fingerprint, process_alive, state_path
-from core.status import ClusterStatus, CoordinatorState
+from core.status import ClusterStatus, CoordinatorState, NodeState
 
 UP_TIMEOUT_S = 600.0
 DOWN_TIMEOUT_S = 30.0
@@ -91,8 +91,11 @@ class UpResult:
 
 
 async def bring_up(inventory: Inventory, on_status: Callable[[ClusterStatus], None],
-                   on_build: Progress) -> UpResult:
-    """Start the cluster (or find it already running with the same configuration) and wait until ready."""
+                   on_build: Progress, require_all: bool = False) -> UpResult:
+    """Start the cluster (or find it already running with the same configuration) and wait until ready.
+
+    A node that fails is left out when the rest can hold the model, unless ``require_all``.
+    """
     state = state_for(inventory).create()
     model = inventory.model_path
     if model is None:
@@ -135,11 +138,23 @@ async def bring_up(inventory: Inventory, on_status: Callable[[ClusterStatus], No
     process = _spawn_controller(state)
     try:
         snapshot = await _wait_ready(state, process, on_status)
-    except (ClusterError, asyncio.CancelledError, KeyboardInterrupt):
+        failed = failed_nodes(snapshot)
+        if require_all and failed:
+            raise ClusterError(f"{len(failed)} of {len(snapshot.nodes)} nodes failed ({'; '.join(failed)})",
+                               "fix the node or drop --require-all to run on the rest")
+    except ClusterError as exc:
+        await shut_down(state)
+        raise type(exc)(f"{exc.message}; the cluster was stopped", exc.hint) from None
+    except (asyncio.CancelledError, KeyboardInterrupt):
         await shut_down(state)
         raise
     adopted = adopted and any("adopted" in event.message for event in snapshot.events)
     return UpResult(snapshot, already_up=False, restarted=restarted, adopted=adopted)
+
+
+def failed_nodes(snapshot: ClusterStatus) -> list[str]:
+    """``name: reason`` for every failed node."""
+    return [f"{node.name}: {node.last_error}" for node in snapshot.nodes if node.state == NodeState.FAILED]
 
 
 def _spawn_controller(state: StateDir) -> subprocess.Popen[bytes]:

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.errors import ClusterError, PlanError, RequestError, WorkerError
-from core.inventory import Inventory, Node, parse_inventory
+from core.errors import ClusterError, DeployError, PlanError, RequestError, WorkerError
+from core.inventory import BuildPath, Inventory, Node, parse_inventory
 from core.model import ModelFacts, read_model
 from core.planner import NodeCapacity, Plan, assign_layers, plan_memory
 from core.remote import LocalRemote, Remote, shell_command
-from core.rpc import Version, probe_worker
+from core.rpc import Version, is_listening, probe_worker
 from core.state import StateDir
 from core.status import (
     ClusterStatus,
@@ -67,9 +67,10 @@ class Launch:
 
 
 def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch) -> worker.WorkerSpec:
-    """How a local node's worker is run."""
+    """How a local node's worker is run: the built binary, or the node's own ``build: {path: …}``."""
     workdir = inventory.workdir(node) or state.node_dir(node.name)
-    return worker.WorkerSpec(node=node.name, workdir=str(workdir), binary=launch.binary,
+    binary = inventory.resolve(node.build.path) if isinstance(node.build, BuildPath) else Path(launch.binary)
+    return worker.WorkerSpec(node=node.name, workdir=str(workdir), binary=str(binary),
                              port=node.rpc_port, threads=node.threads, cache=str(state.worker_cache))
 
 
@@ -169,15 +170,18 @@ class Controller:
             offset = await self._events_size(runtime)
             status.state = NodeState.STARTING
             self.notify()
+            runtime.endpoint = await runtime.remote.endpoint(runtime.node.rpc_port)
+            if await worker.running_supervisor(runtime.remote, runtime.spec) is None and await is_listening(
+                    *runtime.endpoint):
+                # Probing it would talk to somebody else's server as if it were ours.
+                raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
+                                  "use by another process", "fix: stop that process or set another rpc_port")
             adopted = await worker.start(runtime.remote, runtime.spec)
             self.record("worker", "adopted the running worker" if adopted else "worker started", name)
-            runtime.endpoint = await runtime.remote.endpoint(runtime.node.rpc_port)
             self._spawn(self._probe_until_ready(runtime))
             await self._follow(runtime, offset)
         except ClusterError as exc:
-            status.state = NodeState.FAILED
-            status.last_error = str(exc)
-            self.record("error", str(exc), name)
+            self._fail_node(runtime, str(exc))
 
     async def _events_size(self, runtime: NodeRuntime) -> int:
         path = worker.event_path(runtime.spec)
@@ -197,7 +201,9 @@ class Controller:
         name = runtime.node.name
         if event.kind == "started":
             status.pid = event.pid
-            if status.state != NodeState.STARTING:
+            # Every restart follows an "exit", which clears `ready`; a "started" while ready is the
+            # process the probe has already checked (its event can arrive after the probe's answer).
+            if status.state != NodeState.STARTING and not runtime.ready.is_set():
                 status.state = NodeState.STARTING
                 self._spawn(self._probe_until_ready(runtime))
             self.notify()
@@ -230,26 +236,28 @@ class Controller:
             if self._process is not None and runtime.ready.is_set():
                 return  # in use by the coordinator: never probe a busy worker
             try:
-                info = await probe_worker(host, port, timeout=3.0)
+                info = await probe_worker(host, port, timeout=3.0, client=self.launch.protocol)
+            except WorkerError as exc:
+                self._fail_node(runtime, str(exc))
+                return
             except ClusterError as exc:
                 if time.monotonic() > deadline:
-                    status.last_error = f"no HELLO answer within {READY_TIMEOUT_S:g}s: {exc}"
-                    self.record("error", status.last_error, runtime.node.name)
+                    self._fail_node(runtime, f"no HELLO answer within {READY_TIMEOUT_S:g}s: {exc}")
                     return
                 await asyncio.sleep(0.2)
                 continue
-            if not info.version.compatible_with(self.launch.protocol):
-                status.state = NodeState.FAILED
-                status.last_error = (f"worker speaks RPC protocol {info.version}, the coordinator speaks "
-                                     f"{self.launch.protocol}; rebuild the worker from the same llama.cpp")
-                self.record("error", status.last_error, runtime.node.name)
-                return
             status.mem_total, status.mem_free = info.mem_total, info.mem_free
             status.state = NodeState.READY
             runtime.ready.set()
             self.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
                         f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB", runtime.node.name)
             return
+
+    def _fail_node(self, runtime: NodeRuntime, reason: str) -> None:
+        runtime.ready.clear()
+        runtime.status.state = NodeState.FAILED
+        runtime.status.last_error = reason
+        self.record("node-failed", f"{reason}; node excluded", runtime.node.name)
 
     # --- plan and coordinator ----------------------------------------------------------------------
 
@@ -263,7 +271,8 @@ class Controller:
             if usable and all(runtime.ready.is_set() for runtime in usable):
                 return usable
             if not usable:
-                raise PlanError("every node has failed; nothing can hold the model")
+                reasons = "; ".join(f"{r.node.name}: {r.status.last_error or 'failed'}" for r in self.nodes.values())
+                raise PlanError(f"every node has failed ({reasons})")
             if time.monotonic() > deadline:
                 waiting = ", ".join(f"{r.node.name} ({r.status.state})" for r in usable if not r.ready.is_set())
                 raise WorkerError(f"workers not ready after {timeout:g}s: {waiting}")

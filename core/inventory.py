@@ -138,11 +138,15 @@ class Inventory(_Frozen):
         """The model file, resolved against the inventory's folder; None means the built-in demo model."""
         if self.model is None:
             return None
-        return _resolve(self.model, self.source)
+        return self.resolve(self.model)
 
     def workdir(self, node: Node) -> Path | None:
         """The node's work dir, resolved like every other path in the inventory."""
-        return _resolve(node.workdir, self.source) if node.workdir else None
+        return self.resolve(node.workdir) if node.workdir else None
+
+    def resolve(self, path: str) -> Path:
+        """A path from the inventory: ``~`` expanded, relative to the inventory's folder."""
+        return _resolve(path, self.source)
 
 
 def _resolve(path: str, source: str) -> Path:

@@ -117,8 +117,24 @@ async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cmd:
         raise WorkerError(f"connection closed after {len(exc.partial)} bytes of an RPC answer") from None
 
 
-async def probe_worker(host: str, port: int, timeout: float = 5.0) -> WorkerInfo:
-    """Connect, HELLO, and read every device's memory; raises ConnectError/WorkerError."""
+async def is_listening(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Version | None = None) -> WorkerInfo:
+    """Connect, HELLO, and read every device's memory.
+
+    Raises ConnectError when nothing answers (in time), WorkerError when the answer is wrong, including a
+    protocol that ``client`` cannot speak (checked before anything else is sent).
+    """
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, TimeoutError) as exc:
@@ -126,6 +142,10 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0) -> WorkerInfo
     try:
         async with asyncio.timeout(timeout):
             version = decode_hello(await _call(reader, writer, CMD_HELLO, bytes(CONN_CAPS_SIZE)))
+            if client is not None and not version.compatible_with(client):
+                raise WorkerError(f"worker speaks RPC protocol {version}, the coordinator speaks {client}",
+                                  "fix: rebuild the worker from the coordinator's llama.cpp (ggml-cluster does "
+                                  "this unless the node sets build: {path: …})")
             count = decode_device_count(await _call(reader, writer, CMD_DEVICE_COUNT, b""))
             devices = []
             for index in range(count):

@@ -44,7 +44,8 @@ def listening(port: int) -> bool:
 class Cluster:
     """A real cluster driven through the `ggml-cluster` command."""
 
-    def __init__(self, root: Path, nodes: int, context: int = 512) -> None:
+    def __init__(self, root: Path, nodes: int, context: int = 512,
+                 extra: dict[int, list[str]] | None = None) -> None:
         self.root = root
         self.state = root / "state"
         self.ports = [free_port() for _ in range(nodes)]
@@ -52,6 +53,7 @@ class Cluster:
         lines = [f"cluster: test{os.getpid()}", f"context: {context}", "nodes:"]
         for index, port in enumerate(self.ports):
             lines += [f"  - name: n{index}", "    kind: local", f"    rpc_port: {port}", "    threads: 1"]
+            lines += [f"    {line}" for line in (extra or {}).get(index, [])]
         self.inventory.write_text("\n".join(lines) + "\n")
 
     def env(self) -> dict[str, str]:
