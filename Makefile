@@ -46,7 +46,7 @@ demo: setup
 	$(BIN)/ggml-cluster status --once
 
 lint: setup
-	$(BIN)/ruff check cli core tests bench
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 unit: setup

@@ -206,10 +206,13 @@ def down() -> None:
     inventory = _inventory()
     state = client.state_for(inventory)
     running = state.controller_pid() is not None
-    cleaned = _execute(client.shut_down(state))
-    if cleaned:
-        err.print(f"the controller was not running; stopped leftover workers: {', '.join(cleaned)}")
-    err.print(f"cluster '{inventory.cluster}' is down" if running or cleaned
+    result = _execute(client.shut_down(state))
+    if result.cleaned:
+        err.print(f"the controller was not running; stopped leftover workers: {', '.join(result.cleaned)}")
+    for line in result.unreachable:
+        err.print(f"[yellow]warning:[/yellow] could not check for a leftover worker on {line}", highlight=False,
+                  soft_wrap=True)
+    err.print(f"cluster '{inventory.cluster}' is down" if running or result.cleaned
               else f"cluster '{inventory.cluster}' was not running")
 
 

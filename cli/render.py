@@ -17,6 +17,8 @@ STATE_STYLE = {
     NodeState.STARTING: "yellow",
     NodeState.RESTARTING: "yellow",
     NodeState.PENDING: "dim",
+    NodeState.CONNECTING: "yellow",
+    NodeState.DEPLOYING: "yellow",
     NodeState.FAILED: "bold red",
     NodeState.STOPPED: "dim",
 }

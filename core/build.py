@@ -7,6 +7,7 @@ complete, so a half-written build is never used.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -18,14 +19,17 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TextIO
 
 from core.errors import DeployError
+from core.inventory import BuildPath, Node
+from core.probe import NodeFacts, choose_backend, install_hint
+from core.remote import Remote, shell_command
 from core.rpc import Version
 
 PACKAGE = "llama-cpp-python"
@@ -39,8 +43,15 @@ BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
     "metal": ("-DGGML_METAL=ON",),
 }
 # A static binary can be copied to another node of the same kind without its libraries.
-BASE_FLAGS = ("-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
-              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF")
+BASE_FLAGS = ("-DGGML_RPC=ON", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF")
+# ggml-rpc-server links only ggml: this small project is all a node needs (a few MB instead of llama.cpp).
+WORKER_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(ggml-rpc-server C CXX)
+add_subdirectory(ggml)
+add_executable(ggml-rpc-server rpc-server.cpp)
+target_link_libraries(ggml-rpc-server PRIVATE ggml)
+target_compile_features(ggml-rpc-server PRIVATE cxx_std_17)
+"""
 
 Progress = Callable[[str, float | None], None]
 
@@ -141,6 +152,40 @@ def source_tree(version: str, progress: Progress) -> Path:
     return tree
 
 
+def worker_source(version: str, progress: Progress) -> Path:
+    """The worker's own CMake project (ggml + rpc-server.cpp), cut once from the vendored llama.cpp."""
+    root = cache_dir() / "src"
+    project = root / f"worker-{version}"
+    if (project / "CMakeLists.txt").is_file():
+        return project
+    tree = source_tree(version, progress)
+    with _locked(root / f"worker-{version}.lock"):
+        if not (project / "CMakeLists.txt").is_file():
+            scratch = Path(tempfile.mkdtemp(prefix=".worker-", dir=root))
+            shutil.copytree(tree / "ggml", scratch / "ggml")
+            shutil.copy2(tree / "tools" / "rpc" / "rpc-server.cpp", scratch / "rpc-server.cpp")
+            (scratch / "CMakeLists.txt").write_text(WORKER_CMAKE)
+            scratch.replace(project)
+    return project
+
+
+def worker_archive(version: str, progress: Progress) -> Path:
+    """The worker project as a .tar.gz, to upload to nodes that build for themselves."""
+    project = worker_source(version, progress)
+    archive = project.with_name(f"worker-{version}.tar.gz")
+    if not archive.is_file():
+        partial = archive.with_name(f".{archive.name}.{os.getpid()}.partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(project, arcname=".")
+        partial.replace(archive)
+    return archive
+
+
+def source_protocol(version: str, progress: Progress) -> Version:
+    """The RPC protocol the pinned llama.cpp speaks."""
+    return parse_protocol((worker_source(version, progress) / "ggml" / "include" / "ggml-rpc.h").read_text())
+
+
 def worker_binary(backend: str = "cpu", progress: Progress | None = None) -> WorkerBinary:
     """This machine's ggml-rpc-server for ``backend``, built on first use and cached."""
     report: Progress = progress or (lambda _message, _fraction: None)
@@ -156,9 +201,9 @@ def worker_binary(backend: str = "cpu", progress: Progress | None = None) -> Wor
     with _locked(cache_dir() / "bin" / f"{key}.lock"):
         if binary.is_file() and manifest.is_file():
             return WorkerBinary(binary, key, Version(**json.loads(manifest.read_text())["protocol"]))
-        tree = source_tree(version, report)
-        protocol = parse_protocol((tree / "ggml" / "include" / "ggml-rpc.h").read_text())
-        _compile(tree, key, backend, home, report)
+        project = worker_source(version, report)
+        protocol = source_protocol(version, report)
+        _compile(project, key, backend, home, report)
         manifest.write_text(json.dumps({
             "key": key, "version": version, "backend": backend, "built_at": time.time(),
             "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
@@ -166,7 +211,7 @@ def worker_binary(backend: str = "cpu", progress: Progress | None = None) -> Wor
     return WorkerBinary(binary, key, protocol)
 
 
-def _compile(tree: Path, key: str, backend: str, home: Path, report: Progress) -> None:
+def _compile(project: Path, key: str, backend: str, home: Path, report: Progress) -> None:
     builds = cache_dir() / "build"
     builds.mkdir(parents=True, exist_ok=True)
     build = builds / key
@@ -175,14 +220,14 @@ def _compile(tree: Path, key: str, backend: str, home: Path, report: Progress) -
         raise DeployError("cmake is not installed on this machine",
                           "fix: apt-get install cmake g++ (or your OS's package of cmake and a C++ compiler)")
     generator = ("-G", "Ninja") if shutil.which("ninja") else ()
-    configure = ["cmake", "-S", str(tree), "-B", str(build), *generator, *BASE_FLAGS, *BACKEND_FLAGS[backend]]
+    configure = ["cmake", "-S", str(project), "-B", str(build), *generator, *BASE_FLAGS, *BACKEND_FLAGS[backend]]
     compile_ = ["cmake", "--build", str(build), "--target", TARGET, "--parallel", str(os.cpu_count() or 1)]
     with log_path.open("w") as log:
         report(f"configuring {key}", 0.0)
         _run_logged(configure, log, log_path, lambda _line: None)
         report(f"building {TARGET} ({key})", 0.0)
         _run_logged(compile_, log, log_path, lambda line: _report_line(line, key, report))
-    built = build / "bin" / TARGET
+    built = build / TARGET
     if not built.is_file():
         raise DeployError(f"the build finished but {built} is missing", f"see the build log {log_path}")
     scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=home.parent))
@@ -217,3 +262,148 @@ def _run_logged(command: list[str], log: TextIO, log_path: Path, on_line: Callab
         if "No space left on device" in "".join(tail):
             reason = "the disk is full"
         raise DeployError(f"building {TARGET} failed: {reason}", f"see the build log {log_path}")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The worker binary a node runs, and how it got there."""
+
+    binary: str
+    key: str
+    backend: str
+    how: str     # cached | pushed | built | installed
+    reason: str  # why this backend
+
+
+def push_refusal(facts: NodeFacts, backend: str, local_flags: frozenset[str]) -> str | None:
+    """Why this machine's build cannot run on the node, or None when it can.
+
+    Local builds use GGML_NATIVE, so they may use every instruction this CPU has: the node must have the
+    same OS and arch and at least the same CPU features.
+    """
+    here_system, here_arch = platform.system().lower(), platform.machine().lower()
+    if backend != "cpu":
+        return f"this machine builds only the cpu backend, the node needs {backend}"
+    if (facts.os.system, facts.arch) != (here_system, here_arch):
+        return f"the node is {facts.os.system}/{facts.arch}, this machine {here_system}/{here_arch}"
+    missing = sorted(local_flags - facts.cpu.flags)
+    if missing:
+        return f"the node's CPU lacks {', '.join(missing[:5])}{'…' if len(missing) > 5 else ''}"
+    return None
+
+
+def node_root(remote: Remote, workdir: str | None) -> str:
+    """The node's ggml-cluster folder (``workdir`` or ~/.ggml-cluster), with ``~`` expanded."""
+    path = workdir or "~/.ggml-cluster"
+    return remote.home() + path[1:] if path.startswith("~") else path
+
+
+async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str, *, local_flags: frozenset[str],
+                        progress: Progress) -> Deployment:
+    """Put a ggml-rpc-server for this node's backend on it: cached, pushed, built there, or installed."""
+    backend, reason = (node.backend, f"backend: {node.backend} in the inventory") if node.backend != "auto" \
+        else choose_backend(facts)
+    version = pinned_version()
+    key = build_key(version, backend, facts.os.system, facts.arch)
+    if isinstance(node.build, BuildPath):
+        path = node_root(remote, node.build.path) if node.build.path.startswith("~") else node.build.path
+        check = await remote.run(f"test -x {shell_command([path])}")
+        if check.code != 0:
+            raise DeployError(f"node {node.name}: build.path {path} is not an executable file on the node",
+                              "fix: install ggml-rpc-server there or use build: auto")
+        return Deployment(path, key, backend, "installed", reason)
+    home = f"{root}/bin/{key}"
+    binary = f"{home}/{TARGET}"
+    if await _present(remote, home):
+        return Deployment(binary, key, backend, "cached", reason)
+    refusal = push_refusal(facts, backend, local_flags)
+    mode = node.build if node.build != "auto" else ("push" if refusal is None else "remote")
+    if mode == "push" and refusal is not None:
+        raise DeployError(f"node {node.name}: cannot push this machine's build: {refusal}",
+                          "fix: use build: remote (or auto) to build on the node")
+    async with _node_lock(remote, f"{root}/bin/{key}.lock"):
+        if await _present(remote, home):
+            return Deployment(binary, key, backend, "cached", reason)
+        if mode == "push":
+            local = await asyncio.to_thread(worker_binary, "cpu", progress)
+            progress(f"pushing {TARGET} to {node.name}", None)
+            await remote.upload(local.path, f"{home}.partial/{TARGET}", 0o755)
+            how = "pushed"
+        else:
+            await _build_on_node(remote, node, facts, root, key=key, backend=backend, progress=progress)
+            how = "built"
+        manifest = json.dumps({"key": key, "version": version, "backend": backend, "how": how})
+        installed = await remote.run(
+            f"cd {shell_command([root + '/bin'])} && printf '%s' {shell_command([manifest])} > "
+            f"{shell_command([key + '.partial/manifest.json'])} && rm -rf {shell_command([key])} && "
+            f"mv {shell_command([key + '.partial', key])}")
+        if installed.code != 0:
+            raise DeployError(f"node {node.name}: cannot install the worker: {installed.stderr.strip()}")
+    return Deployment(binary, key, backend, how, reason)
+
+
+async def _present(remote: Remote, home: str) -> bool:
+    found = await remote.run(f"test -x {shell_command([home + '/' + TARGET])} && "
+                             f"test -f {shell_command([home + '/manifest.json'])}")
+    return found.code == 0
+
+
+@asynccontextmanager
+async def _node_lock(remote: Remote, path: str, timeout: float = 3600.0) -> AsyncIterator[None]:
+    """One build per key per node at a time (nodes may share a machine); mkdir is atomic everywhere."""
+    quoted = shell_command([path])
+    deadline = time.monotonic() + timeout
+    while (await remote.run(f"mkdir -p \"$(dirname {quoted})\" && mkdir {quoted}")).code != 0:
+        # A lock older than the longest build was left by a killed build.
+        await remote.run(f"find {quoted} -maxdepth 0 -mmin +{int(timeout // 60)} -exec rmdir {{}} \\;")
+        if time.monotonic() > deadline:
+            raise DeployError(f"node {remote.name}: another build holds {path}", f"remove {path} if none runs")
+        await asyncio.sleep(1.0)
+    try:
+        yield
+    finally:
+        await remote.run(f"rmdir {quoted}")
+
+
+async def _build_on_node(remote: Remote, node: Node, facts: NodeFacts, root: str, *, key: str, backend: str,
+                         progress: Progress) -> None:
+    missing = [tool for tool, found in (("cmake", facts.toolchain.cmake), ("c++", facts.toolchain.cxx))
+               if not found]
+    if missing:
+        raise DeployError(f"node {node.name}: {' and '.join(missing)} not found, needed to build the worker there",
+                          f"fix: {install_hint(facts.os, missing[0])}")
+    version = pinned_version()
+    archive = await asyncio.to_thread(worker_archive, version, progress)
+    progress(f"uploading llama.cpp worker source to {node.name}", None)
+    await remote.upload(archive, f"{root}/src/{archive.name}")
+    src = f"{root}/src/worker-{version}"
+    build = f"{root}/build/{key}"
+    log = f"{root}/bin/{key}.build.log"
+    flags = " ".join([*BASE_FLAGS, *BACKEND_FLAGS[backend]])
+    q = shell_command
+    script = (
+        f"if [ ! -f {q([src + '/CMakeLists.txt'])} ]; then rm -rf {q([src + '.partial'])} && "
+        f"mkdir -p {q([src + '.partial'])} && tar xzf {q([root + '/src/' + archive.name])} -C {q([src + '.partial'])}"
+        f" && mv {q([src + '.partial', src])}; fi; "
+        "gen=; command -v ninja >/dev/null 2>&1 && gen='-G Ninja'; "
+        "jobs=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2); "
+        f"(cmake -S {q([src])} -B {q([build])} $gen {flags} && "
+        f"cmake --build {q([build])} --target {TARGET} --parallel \"$jobs\" && "
+        f"mkdir -p {q([root + '/bin/' + key + '.partial'])} && "
+        f"cp {q([build + '/' + TARGET, root + '/bin/' + key + '.partial/'])}; echo \"==exit $?\") 2>&1 | "
+        f"tee {q([log])}"
+    )
+    progress(f"building {TARGET} on {node.name}", 0.0)
+    code, errors = None, []
+    async for line in remote.follow(f"sh -c {q([script])}"):
+        if line.startswith("==exit "):
+            code = int(line.split()[1])
+        elif "error" in line.lower():
+            errors.append(line.strip())
+        fraction = parse_progress(line)
+        if fraction is not None:
+            progress(f"building {TARGET} on {node.name}", fraction)
+    if code != 0:
+        reason = "the disk is full" if any("No space left" in e for e in errors) else (
+            errors[-1] if errors else f"exit status {code}")
+        raise DeployError(f"node {node.name}: building {TARGET} failed: {reason}", f"see {log} on the node")

@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.build import Progress, cache_dir, worker_binary
-from core.controller import Launch, node_spec
+from core.build import TARGET, Progress, cache_dir, worker_binary
+from core.controller import Launch, node_spec, ssh_worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError
-from core.inventory import Inventory, parse_inventory
+from core.inventory import Inventory, Node, parse_inventory
 from core.model import demo_model, read_model
-from core.remote import LocalRemote
+from core.remote import LocalRemote, Remote, SshRemote
 from core.state import StateDir, fingerprint, process_alive, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState
 
-UP_TIMEOUT_S = 600.0
+UP_TIMEOUT_S = 3600.0  # a first build on a small ARM board takes a while
 DOWN_TIMEOUT_S = 30.0
 # Stream lines can be long (a snapshot with many events); the default 64 KiB is too tight.
 LINE_LIMIT = 16 << 20
@@ -104,10 +104,6 @@ async def bring_up(inventory: Inventory, on_status: Callable[[ClusterStatus], No
         raise InventoryError(f"{inventory.source}: model: no such file {model}",
                              "fix: point 'model' at a GGUF file on this machine")
     read_model(model)
-    unsupported = [node.name for node in inventory.nodes if node.kind != "local"]
-    if unsupported:
-        raise InventoryError(f"{inventory.source}: nodes {', '.join(unsupported)}: kind 'ssh' is not "
-                             "supported by this version yet", "fix: use 'kind: local' nodes")
     binary = await asyncio.to_thread(worker_binary, "cpu", on_build)
     inventory_text = json.dumps(inventory.model_dump(mode="json", exclude={"source"}), sort_keys=True)
     launch = Launch(binary=str(binary.path), protocol=binary.protocol, model=str(model.resolve()))
@@ -195,22 +191,29 @@ def _tail(path: Path) -> str:
     return "no log"
 
 
-async def shut_down(state: StateDir) -> list[str]:
-    """Stop the controller, coordinator and every worker; works even when the controller is dead.
+@dataclass(frozen=True)
+class DownResult:
+    """What `down` did beyond asking the controller."""
 
-    Returns what had to be cleaned up without the controller.
-    """
+    cleaned: list[str]      # nodes whose workers outlived their controller and were stopped
+    unreachable: list[str]  # ``name: reason`` for nodes that could not be checked
+
+
+async def shut_down(state: StateDir) -> DownResult:
+    """Stop the controller, coordinator and every worker; works even when the controller is dead."""
     pid = state.controller_pid()
+    stopped_by_controller = False
     if pid is not None:
         with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
-            await ask(state, {"op": "down"})
+            stopped_by_controller = (await ask(state, {"op": "down"})).get("ok") is True
         if not await _wait_gone(pid, DOWN_TIMEOUT_S):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    cleaned = await _stop_leftover_workers(state)
+    # The controller stops what it started; without one, find the workers ourselves.
+    result = DownResult([], []) if stopped_by_controller else await _stop_leftover_workers(state)
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)
-    return cleaned
+    return result
 
 
 async def _wait_gone(pid: int, timeout: float) -> bool:
@@ -222,19 +225,35 @@ async def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-async def _stop_leftover_workers(state: StateDir) -> list[str]:
+async def _stop_leftover_workers(state: StateDir) -> DownResult:
     """Workers whose supervisor still runs after the controller is gone (killed, crashed)."""
     if not (state.inventory.is_file() and state.launch.is_file()):
-        return []
+        return DownResult([], [])
     launch_data = json.loads(state.launch.read_text())
     inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
     inventory = inventory.model_copy(update={"source": launch_data["source"]})
     launch = Launch.from_dict(launch_data)
-    cleaned = []
-    for node in inventory.nodes:
-        spec = node_spec(inventory, node, state, launch)
-        remote = LocalRemote(node.name)
-        if await worker.running_supervisor(remote, spec) is not None:
+
+    async def stop(node: Node) -> str | None:
+        remote: Remote = LocalRemote(node.name) if node.kind == "local" else SshRemote(node)
+        try:
+            await remote.connect()
+            if node.kind == "local":
+                spec = node_spec(inventory, node, state, launch)
+            else:  # stopping needs only the worker's folder
+                spec = worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(inventory, node, remote),
+                                         binary=TARGET, port=node.rpc_port)
+            if await worker.running_supervisor(remote, spec) is None:
+                return None
             await worker.stop(remote, spec)
-            cleaned.append(node.name)
-    return cleaned
+            return node.name
+        finally:
+            await remote.close()
+
+    results = await asyncio.gather(*(stop(node) for node in inventory.nodes), return_exceptions=True)
+    unreachable = [f"{node.name}: {result}" for node, result in zip(inventory.nodes, results, strict=True)
+                   if isinstance(result, ClusterError)]
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, ClusterError):
+            raise result
+    return DownResult([result for result in results if isinstance(result, str)], unreachable)

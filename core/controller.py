@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import signal
 import sys
 import time
@@ -23,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
+from core.build import deploy_worker, node_root
 from core.errors import ClusterError, DeployError, PlanError, RequestError, WorkerError
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
 from core.model import ModelFacts, read_model
 from core.planner import NodeCapacity, Plan, assign_layers, plan_memory
-from core.remote import LocalRemote, Remote, shell_command
-from core.rpc import Version, is_listening, probe_worker
+from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
+from core.remote import LocalRemote, Remote, SshRemote, shell_command
+from core.rpc import Version, probe_worker
 from core.state import StateDir
 from core.status import (
     ClusterStatus,
@@ -44,6 +47,7 @@ log = logging.getLogger("ggml-cluster.controller")
 READY_TIMEOUT_S = 60.0      # a started worker must answer HELLO within this
 RECOVERY_TIMEOUT_S = 120.0  # a request waits this long for the cluster to come back
 MAX_RECOVERIES = 5          # per request
+PARALLEL_NODES = 16         # nodes connected, probed and deployed at once
 EVENT_MEMORY = 50
 
 
@@ -66,6 +70,19 @@ class Launch:
         return cls(binary=data["binary"], model=data["model"], protocol=Version(*data["protocol"]))
 
 
+def ssh_worker_dir(inventory: Inventory, node: Node, remote: Remote) -> str:
+    """Where an ssh node's worker lives: <workdir or ~/.ggml-cluster>/<cluster>/<node>."""
+    return f"{node_root(remote, node.workdir)}/{inventory.cluster}/{node.name}"
+
+
+def local_cpu_flags() -> frozenset[str]:
+    """This machine's CPU features: what a pushed (GGML_NATIVE) build may use."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text()).flags
+    except OSError:
+        return frozenset()
+
+
 def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch) -> worker.WorkerSpec:
     """How a local node's worker is run: the built binary, or the node's own ``build: {path: …}``."""
     workdir = inventory.workdir(node) or state.node_dir(node.name)
@@ -79,9 +96,9 @@ class NodeRuntime:
     """The controller's live view of one node."""
 
     node: Node
-    spec: worker.WorkerSpec
     remote: Remote
     status: NodeStatus
+    spec: worker.WorkerSpec | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     endpoint: tuple[str, int] | None = None
 
@@ -96,13 +113,14 @@ class Controller:
         self.model: ModelFacts = read_model(Path(launch.model))
         self.nodes: dict[str, NodeRuntime] = {}
         for node in inventory.nodes:
-            if node.kind != "local":
-                raise ClusterError(f"node {node.name}: kind '{node.kind}' is not supported by this version",
-                                   "fix: use 'kind: local' nodes")
+            local = node.kind == "local"
             self.nodes[node.name] = NodeRuntime(
-                node=node, spec=node_spec(inventory, node, state, launch), remote=LocalRemote(node.name),
+                node=node, remote=LocalRemote(node.name) if local else SshRemote(node),
                 status=NodeStatus(name=node.name, host=node.host or "localhost", kind=node.kind,
-                                  rpc_port=node.rpc_port, arch=os.uname().machine, backend="cpu"))
+                                  rpc_port=node.rpc_port, arch=platform.machine() if local else "",
+                                  backend="cpu" if local else ""))
+        self._parallel = asyncio.Semaphore(PARALLEL_NODES)
+        self._local_flags = local_cpu_flags()
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
         self.plan: Plan | None = None
@@ -167,29 +185,64 @@ class Controller:
         name = runtime.node.name
         status = runtime.status
         try:
-            offset = await self._events_size(runtime)
+            spec = runtime.spec = await self._prepare(runtime)
+            offset = await self._events_size(spec, runtime.remote)
             status.state = NodeState.STARTING
             self.notify()
-            runtime.endpoint = await runtime.remote.endpoint(runtime.node.rpc_port)
-            if await worker.running_supervisor(runtime.remote, runtime.spec) is None and await is_listening(
-                    *runtime.endpoint):
+            if await worker.running_supervisor(runtime.remote, spec) is None and await runtime.remote.port_open(
+                    runtime.node.rpc_port):
                 # Probing it would talk to somebody else's server as if it were ours.
                 raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
                                   "use by another process", "fix: stop that process or set another rpc_port")
-            adopted = await worker.start(runtime.remote, runtime.spec)
+            adopted = await worker.start(runtime.remote, spec)
             self.record("worker", "adopted the running worker" if adopted else "worker started", name)
+            runtime.endpoint = await runtime.remote.endpoint(runtime.node.rpc_port)
             self._spawn(self._probe_until_ready(runtime))
             await self._follow(runtime, offset)
         except ClusterError as exc:
             self._fail_node(runtime, str(exc))
 
-    async def _events_size(self, runtime: NodeRuntime) -> int:
-        path = worker.event_path(runtime.spec)
-        result = await runtime.remote.run(f"wc -c < {shell_command([path])} 2>/dev/null || echo 0")
+    async def _prepare(self, runtime: NodeRuntime) -> worker.WorkerSpec:
+        """Reach, probe and deploy an ssh node; a local node runs the binary `up` built."""
+        node, status, remote = runtime.node, runtime.status, runtime.remote
+        if node.kind == "local":
+            return node_spec(self.inventory, node, self.state, self.launch)
+        status.state = NodeState.CONNECTING
+        self.notify()
+        loop = asyncio.get_running_loop()
+
+        def progress(message: str, fraction: float | None) -> None:
+            loop.call_soon_threadsafe(self._show_progress, runtime, message, fraction)
+
+        async with self._parallel:
+            await remote.connect()
+            facts = parse_node((await remote.run(PROBE_COMMAND, timeout=120)).stdout)
+            status.arch = facts.arch
+            status.state = NodeState.DEPLOYING
+            self.notify()
+            deployment = await deploy_worker(remote, node, facts, node_root(remote, node.workdir),
+                                             local_flags=self._local_flags, progress=progress)
+        status.backend = deployment.backend
+        status.detail = f"{deployment.reason}; worker {deployment.how}"
+        status.progress = None
+        self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
+        return worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(self.inventory, node, remote),
+                                 binary=deployment.binary, port=node.rpc_port, threads=node.threads)
+
+    def _show_progress(self, runtime: NodeRuntime, message: str, fraction: float | None) -> None:
+        runtime.status.last_status = message
+        runtime.status.progress = fraction
+        self.notify()
+
+    async def _events_size(self, spec: worker.WorkerSpec, remote: Remote) -> int:
+        path = worker.event_path(spec)
+        result = await remote.run(f"wc -c < {shell_command([path])} 2>/dev/null || echo 0")
         text = result.stdout.strip()
         return int(text) if text.isdigit() else 0
 
     async def _follow(self, runtime: NodeRuntime, offset: int) -> None:
+        if runtime.spec is None:
+            return
         path = shell_command([worker.event_path(runtime.spec)])
         async for line in runtime.remote.follow(f"tail -c +{offset + 1} -F {path} 2>/dev/null"):
             event = worker.parse_event(line)
@@ -212,7 +265,7 @@ class Controller:
             status.state = NodeState.RESTARTING
             status.restarts += 1
             status.pid = None
-            text = await worker.read_log(runtime.remote, runtime.spec, event.log_offset or 0)
+            text = await worker.read_log(runtime.remote, runtime.spec, event.log_offset or 0) if runtime.spec else ""
             cause = worker.classify_exit(event.code if event.code is not None else -1, text)
             status.last_status = cause
             status.last_error = cause
@@ -265,8 +318,12 @@ class Controller:
         return [runtime for runtime in self.nodes.values() if runtime.status.state != NodeState.FAILED]
 
     async def _wait_nodes(self, timeout: float) -> list[NodeRuntime]:
+        """Wait until every usable node is ready; ``timeout`` runs from the last node done deploying."""
         deadline = time.monotonic() + timeout
         while True:
+            if any(r.status.state in (NodeState.PENDING, NodeState.CONNECTING, NodeState.DEPLOYING)
+                   for r in self.nodes.values()):
+                deadline = time.monotonic() + timeout  # builds take as long as they take
             usable = self._usable_nodes()
             if usable and all(runtime.ready.is_set() for runtime in usable):
                 return usable
@@ -507,7 +564,8 @@ class Controller:
                 process.kill()
                 await process.wait()
         if stop_workers:
-            await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values()))
+            await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values() if r.spec),
+                                 return_exceptions=True)
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()

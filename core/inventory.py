@@ -89,7 +89,7 @@ class Node(_Frozen):
     name: Name
     kind: Literal["local", "ssh"] = "ssh"
     host: str = ""
-    port: Port = 22
+    port: Port | None = None  # None: ~/.ssh/config's Port for the host, else 22
     user: str | None = None
     identity: str | None = None
     rpc_port: Port = 50052

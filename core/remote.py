@@ -8,6 +8,8 @@ build it with `quote`/`shell_command`, so nothing from the inventory is ever int
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shlex
 import shutil
 from collections.abc import AsyncIterator, Sequence
@@ -15,12 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import asyncssh
+
 from core.errors import ConnectError
+from core.inventory import Node
 
 
 def shell_command(argv: Sequence[str | Path]) -> str:
     """One shell-safe command line from an argument vector."""
     return " ".join(shlex.quote(str(arg)) for arg in argv)
+
+
+def tied_to_reader(command: str) -> str:
+    """Run ``command`` until it ends or our end of its stdin closes (we stopped reading, or died).
+
+    A watcher reads stdin (saved on fd 3: background jobs get /dev/null) and kills the command at EOF,
+    so a `tail -F` never outlives the controller that followed it.
+    """
+    return (f"exec 3<&0; {command} </dev/null & follower=$!; "
+            "(cat <&3 >/dev/null 2>&1; kill $follower 2>/dev/null) >/dev/null 2>&1 & wait $follower")
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,18 @@ class Remote(Protocol):
         """A host and port on this machine that reach the node's 127.0.0.1:port."""
         ...
 
+    def home(self) -> str:
+        """The node user's home directory (to expand ``~`` in paths we quote)."""
+        ...
+
+    async def connect(self) -> None:
+        """Reach the node (raises ConnectError with what to fix)."""
+        ...
+
+    async def port_open(self, port: int) -> bool:
+        """Whether something listens on the node's 127.0.0.1:port."""
+        ...
+
     async def close(self) -> None:
         """Release connections and forwards."""
         ...
@@ -82,7 +109,7 @@ class LocalRemote:
     async def follow(self, command: str) -> AsyncIterator[str]:
         """Run a long-lived shell command and yield its output lines until it ends."""
         process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", f"exec {command}", stdin=asyncio.subprocess.DEVNULL,
+            "/bin/sh", "-c", tied_to_reader(command), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         self._followers.add(process)
         if process.stdout is None:
@@ -93,8 +120,13 @@ class LocalRemote:
         finally:
             self._followers.discard(process)
             if process.returncode is None:
-                process.kill()
-                await process.wait()
+                if process.stdin is not None:
+                    process.stdin.close()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), 2)
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
 
     async def upload(self, source: Path, destination: str, mode: int = 0o644) -> None:
         """Copy a local file into place atomically."""
@@ -109,9 +141,183 @@ class LocalRemote:
         """The worker listens on this machine's loopback."""
         return ("127.0.0.1", port)
 
+    def home(self) -> str:
+        """This user's home directory."""
+        return str(Path.home())
+
+    async def connect(self) -> None:
+        """Nothing to connect to."""
+
+    async def port_open(self, port: int) -> bool:
+        """Whether something listens on 127.0.0.1:port."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2.0)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
     async def close(self) -> None:
         """Stop any command still being followed."""
         for process in list(self._followers):
+            if process.returncode is None and process.stdin is not None:
+                process.stdin.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), 2)
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+class SshRemote:
+    """A node reached over SSH (asyncssh): one connection carries commands, uploads and RPC forwards."""
+
+    def __init__(self, node: Node, connect_timeout: float = 15.0) -> None:
+        self.name = node.name
+        self.node = node
+        self.connect_timeout = connect_timeout
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._listeners: dict[int, asyncssh.SSHListener] = {}
+        self._home = ""
+
+    @property
+    def where(self) -> str:
+        """``user@host:port`` as given in the inventory, for messages."""
+        user = f"{self.node.user}@" if self.node.user else ""
+        port = f":{self.node.port}" if self.node.port else ""
+        return f"{user}{self.node.host}{port}"
+
+    def _options(self) -> dict[str, object]:
+        options: dict[str, object] = {"connect_timeout": self.connect_timeout, "keepalive_interval": 15,
+                                      "keepalive_count_max": 3}
+        if self.node.port:
+            options["port"] = self.node.port
+        if self.node.user:
+            options["username"] = self.node.user
+        if self.node.identity:
+            options["client_keys"] = [os.path.expanduser(self.node.identity)]
+        return options
+
+    async def connect(self) -> None:
+        """Open the connection; every failure becomes one ConnectError that says what to fix."""
+        name = self.name
+        try:
+            if self.node.host_key == "accept-new":
+                await self._accept_new_host_key()
+            self._conn = await asyncssh.connect(self.node.host, **self._options())
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise ConnectError(f"node {name}: the host key of {self.where} is not trusted ({exc.reason})",
+                               "fix: connect once with ssh and check its fingerprint, or set host_key: accept-new"
+                               ) from None
+        except asyncssh.PermissionDenied:
+            raise ConnectError(f"node {name}: authentication failed for {self.where}",
+                               "fix: check 'user' and 'identity', or add the key to ssh-agent") from None
+        except asyncssh.KeyImportError as exc:
+            raise ConnectError(f"node {name}: cannot use identity {self.node.identity}: {exc}",
+                               "fix: point 'identity' at an unencrypted key or load it into ssh-agent") from None
+        except (OSError, asyncssh.Error, TimeoutError) as exc:
+            reason = str(exc) or type(exc).__name__
+            raise ConnectError(f"node {name}: cannot reach {self.where}: {reason}",
+                               "fix: check host and port, and that sshd runs there") from None
+        # sshd leaves Nagle on for a connection until a session channel has run on it; RPC through a
+        # forward would then cost ~6 ms a round trip instead of ~0.3 ms. This session also finds $HOME.
+        self._home = (await self.run('printf %s "$HOME"')).stdout.strip()
+
+    async def _accept_new_host_key(self) -> None:
+        """Trust on first use: record an unknown host's key; a known host with another key still fails."""
+        path = Path("~/.ssh/known_hosts").expanduser()
+        port = self.node.port or 22
+        if path.is_file():
+            trusted, ca_keys, revoked, *_ = asyncssh.read_known_hosts(str(path)).match(self.node.host, "", port)
+            if trusted or ca_keys or revoked:
+                return
+        key = await asyncio.wait_for(asyncssh.get_server_host_key(self.node.host, port), self.connect_timeout)
+        if key is None:
+            return
+        host = self.node.host if port == 22 else f"[{self.node.host}]:{port}"
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(f"{host} {key.export_public_key().decode().strip()}\n")
+
+    def _connection(self) -> asyncssh.SSHClientConnection:
+        if self._conn is None:
+            raise ConnectError(f"node {self.name}: not connected")
+        return self._conn
+
+    def home(self) -> str:
+        """The login user's $HOME on the node."""
+        return self._home
+
+    async def run(self, command: str, timeout: float = 30.0) -> CommandResult:
+        """Run a shell command on the node to completion."""
+        try:
+            result = await asyncio.wait_for(self._connection().run(command, check=False), timeout)
+        except TimeoutError:
+            raise ConnectError(f"node {self.name}: command timed out after {timeout:g}s") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise ConnectError(f"node {self.name}: connection lost: {exc}") from None
+        code = result.exit_status if result.exit_status is not None else 255
+        return CommandResult(code, str(result.stdout or ""), str(result.stderr or ""))
+
+    async def follow(self, command: str) -> AsyncIterator[str]:
+        """Run a long-lived command on the node and yield its lines; it ends when we stop reading."""
+        try:
+            process = await self._connection().create_process(tied_to_reader(command))
+        except (asyncssh.Error, OSError) as exc:
+            raise ConnectError(f"node {self.name}: connection lost: {exc}") from None
+        try:
+            async for line in process.stdout:
+                yield str(line).rstrip("\n")
+        except (asyncssh.Error, OSError) as exc:
+            raise ConnectError(f"node {self.name}: connection lost: {exc}") from None
+        finally:
+            with contextlib.suppress(asyncssh.Error, OSError):
+                process.stdin.write_eof()
+            process.close()
+
+    async def upload(self, source: Path, destination: str, mode: int = 0o644) -> None:
+        """Copy a file to the node over SFTP, then rename it into place (never half-written)."""
+        partial = f"{destination}.partial"
+        try:
+            async with self._connection().start_sftp_client() as sftp:
+                await sftp.makedirs(str(Path(destination).parent), exist_ok=True)
+                await sftp.put(str(source), partial)
+                await sftp.chmod(partial, mode)
+                await sftp.posix_rename(partial, destination)
+        except (asyncssh.Error, OSError) as exc:
+            raise ConnectError(f"node {self.name}: upload of {source.name} failed: {exc}") from None
+
+    async def port_open(self, port: int) -> bool:
+        """Whether something listens on the node's 127.0.0.1:port (asked from the node's side)."""
+        try:
+            _, writer = await asyncio.wait_for(self._connection().open_connection("127.0.0.1", port), 10.0)
+        except (asyncssh.ChannelOpenError, TimeoutError):
+            return False
+        except (asyncssh.Error, OSError) as exc:
+            raise ConnectError(f"node {self.name}: connection lost: {exc}") from None
+        writer.close()
+        return True
+
+    async def endpoint(self, port: int) -> tuple[str, int]:
+        """A local port forwarded through this connection to the node's 127.0.0.1:port."""
+        listener = self._listeners.get(port)
+        if listener is None:
+            try:
+                listener = await self._connection().forward_local_port("127.0.0.1", 0, "127.0.0.1", port)
+            except (asyncssh.Error, OSError) as exc:
+                raise ConnectError(f"node {self.name}: cannot forward port {port}: {exc}") from None
+            self._listeners[port] = listener
+        return ("127.0.0.1", listener.get_port())
+
+    async def close(self) -> None:
+        """Close the forwards and the connection."""
+        for listener in self._listeners.values():
+            listener.close()
+        self._listeners.clear()
+        if self._conn is not None:
+            self._conn.close()
+            with contextlib.suppress(asyncssh.Error, OSError):
+                await self._conn.wait_closed()
+            self._conn = None

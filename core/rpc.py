@@ -117,18 +117,6 @@ async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cmd:
         raise WorkerError(f"connection closed after {len(exc.partial)} bytes of an RPC answer") from None
 
 
-async def is_listening(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether something accepts TCP connections on host:port."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
-
-
 async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Version | None = None) -> WorkerInfo:
     """Connect, HELLO, and read every device's memory.
 

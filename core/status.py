@@ -12,6 +12,8 @@ class NodeState(StrEnum):
     """Where a node's worker is in its life."""
 
     PENDING = "pending"        # known from the inventory, not started yet
+    CONNECTING = "connecting"  # reaching it over SSH and probing its hardware
+    DEPLOYING = "deploying"    # getting a worker binary onto it (cached, pushed or built there)
     STARTING = "starting"      # process started, not yet answering HELLO
     READY = "ready"            # answered HELLO with the right protocol version
     RESTARTING = "restarting"  # exited; the supervisor is restarting it
@@ -61,6 +63,8 @@ class NodeStatus:
     pid: int | None = None
     last_status: str = ""
     last_error: str = ""
+    detail: str = ""                # backend choice and how the worker got there
+    progress: float | None = None   # of the current deployment step, 0..1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

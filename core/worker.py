@@ -57,9 +57,11 @@ class WorkerSpec:
         inner = shell_command(["sh", script, self.workdir, str(self.max_exits), str(self.window_s),
                                str(self.max_backoff_s)])
         detach = "if command -v setsid >/dev/null 2>&1; then exec setsid \"$@\"; else exec nohup \"$@\"; fi"
+        # The subshell returns at once; only the background job holds files, none of them ours (an SSH
+        # session stays open while any process holds its stdout).
         return (f"cd {shell_command([self.workdir])} && "
-                f"sh -c {shell_command([detach])} sh {inner} {self.command()} "
-                "</dev/null >>supervisor.log 2>&1 &")
+                f"(sh -c {shell_command([detach])} sh {inner} {self.command()} "
+                "</dev/null >>supervisor.log 2>&1 &)")
 
 
 @dataclass(frozen=True)

@@ -44,20 +44,27 @@ def listening(port: int) -> bool:
 class Cluster:
     """A real cluster driven through the `ggml-cluster` command."""
 
-    def __init__(self, root: Path, nodes: int, context: int = 512,
-                 extra: dict[int, list[str]] | None = None) -> None:
+    def __init__(self, root: Path, nodes: int, context: int = 512, extra: dict[int, list[str]] | None = None,
+                 ssh: list[list[str]] | None = None, base_env: dict[str, str] | None = None,
+                 defaults: list[str] | None = None) -> None:
+        """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines."""
         self.root = root
         self.state = root / "state"
         self.ports = [free_port() for _ in range(nodes)]
         self.inventory = root / "inventory.yaml"
-        lines = [f"cluster: test{os.getpid()}", f"context: {context}", "nodes:"]
+        self.base_env = base_env or dict(os.environ)
+        lines = [f"cluster: test{os.getpid()}", f"context: {context}"]
+        if defaults:
+            lines += ["defaults:", *(f"  {line}" for line in defaults)]
+        lines.append("nodes:")
         for index, port in enumerate(self.ports):
-            lines += [f"  - name: n{index}", "    kind: local", f"    rpc_port: {port}", "    threads: 1"]
+            where = [f"    {line}" for line in ssh[index]] if ssh else ["    kind: local"]
+            lines += [f"  - name: n{index}", *where, f"    rpc_port: {port}", "    threads: 1"]
             lines += [f"    {line}" for line in (extra or {}).get(index, [])]
         self.inventory.write_text("\n".join(lines) + "\n")
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "GGML_CLUSTER_STATE_DIR": str(self.state)}
+        return {**self.base_env, "GGML_CLUSTER_STATE_DIR": str(self.state)}
 
     def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run([CLI, "-i", str(self.inventory), *args], capture_output=True, text=True,
@@ -74,11 +81,16 @@ class Cluster:
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)
 
+    def worker_dir(self, node: str) -> Path:
+        """A local node's folder, or an ssh node's under the inventory's ``workdir`` default."""
+        local = self.state / "nodes" / node
+        return local if local.exists() else next(self.root.glob(f"**/test{os.getpid()}/{node}"))
+
     def worker_pid(self, node: str) -> int:
-        return int((self.state / "nodes" / node / "worker.pid").read_text())
+        return int((self.worker_dir(node) / "worker.pid").read_text())
 
     def supervisor_pid(self, node: str) -> int:
-        return int((self.state / "nodes" / node / "supervisor.pid").read_text())
+        return int((self.worker_dir(node) / "supervisor.pid").read_text())
 
     def processes(self) -> list[int]:
         """Every live process that belongs to this cluster (controller, coordinator, supervisors, workers)."""
@@ -86,7 +98,7 @@ class Cluster:
         mine = []
         for line in result.stdout.splitlines():
             pid, _, args = line.strip().partition(" ")
-            ours = str(self.state) in args or any(
+            ours = str(self.root) in args or any(
                 f"-p {port} " in args + " " or f"127.0.0.1:{port}" in args for port in self.ports)
             if ours and int(pid) != os.getpid() and alive(int(pid)):
                 mine.append(int(pid))

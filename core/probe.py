@@ -1,0 +1,512 @@
+"""Describe a node's hardware from the output of shell commands run on it.
+
+Each probe is a POSIX-sh command and a pure parser (text -> dataclass). `PROBE_COMMAND` runs them all in
+one go and prints each output under a marker line ``==name==``; `parse_node` splits that text and hands
+every section to its parser. Parsers never raise: missing or odd output gives empty fields or None.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+MIB = 2**20
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU. Memory in bytes, None where the tool does not report it."""
+
+    vendor: str  # nvidia | amd | intel | apple | other
+    name: str
+    memory_total: int | None
+    memory_free: int | None
+    index: int | None = None
+    unified: bool = False  # memory shared with the CPU (Apple silicon, GB10, Jetson, integrated GPUs)
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU: model, logical CPU count, and feature flags (x86 ``flags`` / ARM ``Features``)."""
+
+    model: str
+    cores: int
+    flags: frozenset[str]
+
+
+@dataclass(frozen=True)
+class MemInfo:
+    """System memory in bytes."""
+
+    total: int
+    available: int
+
+
+@dataclass(frozen=True)
+class OsInfo:
+    """The operating system: ``system`` is linux or darwin; the rest comes from /etc/os-release or sw_vers."""
+
+    system: str
+    distro_id: str
+    version: str
+    pretty: str
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """Versions of the build tools a worker build needs, None where missing."""
+
+    cmake: str | None
+    cxx: str | None  # first line of `c++ --version`, e.g. "g++ (Debian 12.2.0-14) 12.2.0"
+    nvcc: str | None
+    hipcc: str | None
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """Everything the probe learned about a node."""
+
+    os: OsInfo
+    arch: str  # as `uname -m` says, amd64 read as x86_64: x86_64 | aarch64 | arm64 | armv7l ...
+    cpu: CpuInfo
+    memory: MemInfo
+    gpus: tuple[Gpu, ...]
+    toolchain: Toolchain
+    vulkan: bool  # a real (not software) GPU answers through Vulkan
+    disk_free: int | None  # bytes free in $HOME
+
+
+@dataclass(frozen=True)
+class VulkanDevice:
+    """One device listed by `vulkaninfo --summary`."""
+
+    index: int
+    name: str
+    device_type: str  # discrete | integrated | virtual | cpu | other
+    vendor: str
+
+    @property
+    def is_gpu(self) -> bool:
+        """False for software rasterisers (llvmpipe, lavapipe, SwiftShader), which Vulkan lists as devices."""
+        return self.device_type != "cpu" and not _SOFTWARE_RENDERER.search(self.name)
+
+
+@dataclass(frozen=True)
+class DisplayAdapter:
+    """One GPU from macOS `system_profiler SPDisplaysDataType`, with its Metal support line."""
+
+    gpu: Gpu
+    metal: str | None
+
+
+NVIDIA_SMI_FIELDS = ("index", "name", "memory.total", "memory.free")
+
+_TOOLCHAIN_SECTIONS = (
+    ("cmake", "cmake --version"),
+    ("cxx", "c++ --version || g++ --version || clang++ --version"),
+    # Non-interactive SSH shells rarely have the CUDA/ROCm bin folders on PATH.
+    ("nvcc", "nvcc --version || /usr/local/cuda/bin/nvcc --version"),
+    ("hipcc", "hipcc --version || /opt/rocm/bin/hipcc --version"),
+)
+_HARDWARE_SECTIONS = (
+    ("uname", "uname -s -m"),
+    ("os-release", "cat /etc/os-release"),
+    ("macos-version", "sw_vers -productVersion"),
+    # Only the first copy of each line: flags repeat for every core and a big server's cpuinfo is ~1 MB.
+    ("cpuinfo", "awk '!seen[$0]++' /proc/cpuinfo"),
+    ("sysctl", r"""[ "$(uname -s)" = Darwin ] && sysctl -a | grep -E '^(hw\.|machdep\.cpu\.)'"""),
+    ("meminfo", "cat /proc/meminfo"),
+    ("df", 'df -Pk "$HOME"'),
+    # The human table is only a fallback, for an nvidia-smi whose --query-gpu fails.
+    ("nvidia-smi", f"nvidia-smi --query-gpu={','.join(NVIDIA_SMI_FIELDS)} --format=csv,noheader,nounits"
+                   " || { echo ==nvidia-smi-table==; nvidia-smi; }"),
+    ("rocm-smi", "rocm-smi --showproductname --showmeminfo vram --csv"
+                 " || /opt/rocm/bin/rocm-smi --showproductname --showmeminfo vram --csv"),
+    ("vulkaninfo", "vulkaninfo --summary"),
+    ("system_profiler", "system_profiler SPDisplaysDataType"),
+)
+
+
+def _make_script(sections: Iterable[tuple[str, str]]) -> str:
+    return "\n".join(f"echo =={name}==; {{ {command}; }} 2>/dev/null || true" for name, command in sections)
+
+
+TOOLCHAIN_COMMAND = _make_script(_TOOLCHAIN_SECTIONS)
+PROBE_COMMAND = _make_script(_HARDWARE_SECTIONS + _TOOLCHAIN_SECTIONS)
+
+_MARKER = re.compile(r"==([a-z0-9_-]+)==")
+_KNOWN_ARCH = re.compile(r"x86_64|amd64|i[3-6]86|aarch64|arm64|armv\d+\w*|riscv64|ppc64(le)?|s390x|loongarch64|mips\w*")
+_SOFTWARE_RENDERER = re.compile(r"llvmpipe|lavapipe|swiftshader", re.IGNORECASE)
+_PCI_VENDORS = {0x10DE: "nvidia", 0x1002: "amd", 0x1022: "amd", 0x8086: "intel", 0x106B: "apple"}
+_ARM_IMPLEMENTERS = {"0x41": "ARM", "0x4e": "NVIDIA", "0x61": "Apple", "0xc0": "Ampere"}
+_ARM_PARTS = {
+    ("0x41", "0xd03"): "Cortex-A53",
+    ("0x41", "0xd05"): "Cortex-A55",
+    ("0x41", "0xd07"): "Cortex-A57",
+    ("0x41", "0xd08"): "Cortex-A72",
+    ("0x41", "0xd0b"): "Cortex-A76",
+    ("0x41", "0xd0c"): "Neoverse-N1",
+    ("0x41", "0xd40"): "Neoverse-V1",
+    ("0x41", "0xd4f"): "Neoverse-V2",
+    ("0x61", "0x022"): "M1 Icestorm",
+    ("0x61", "0x023"): "M1 Firestorm",
+}
+_UNITS = {"b": 1, "kib": 2**10, "kb": 2**10, "mib": MIB, "mb": MIB, "gib": GIB, "gb": GIB}
+_APT_DISTROS = frozenset({"debian", "ubuntu", "raspbian", "linuxmint", "pop"})
+_DNF_DISTROS = frozenset({"fedora", "rhel", "rocky", "amzn", "centos", "almalinux", "ol"})
+_PACKAGES = {"apt-get": {"c++": "build-essential"}, "dnf": {"c++": "gcc-c++"}}
+
+
+def split_sections(text: str) -> dict[str, str]:
+    """Split probe output at its ``==name==`` marker lines into {name: text}; text before any marker is dropped."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        marker = _MARKER.fullmatch(line.strip())
+        if marker:
+            current = sections.setdefault(marker.group(1), [])
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def parse_uname(text: str) -> tuple[str, str]:
+    """(system, arch) from `uname -s -m`; also reads `uname -srm` and `uname -a`. Empty strings where unknown."""
+    tokens = text.split()
+    system = tokens[0].lower() if tokens and tokens[0].isalpha() else ""
+    arch = next((token for token in reversed(tokens[1:]) if _KNOWN_ARCH.fullmatch(token.lower())), "")
+    if not arch and len(tokens) == 2:
+        arch = tokens[1]
+    arch = arch.lower()
+    return system, "x86_64" if arch == "amd64" else arch
+
+
+def parse_os_release(text: str) -> OsInfo:
+    """Distribution facts from /etc/os-release (ID, VERSION_ID, PRETTY_NAME)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key and not key.startswith("#"):
+            fields[key] = value.strip().strip("\"'")
+    return OsInfo("linux", fields.get("ID", "").lower(), fields.get("VERSION_ID", ""),
+                  fields.get("PRETTY_NAME", fields.get("NAME", "")))
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """CPU model, logical CPU count (``processor`` entries) and flags from Linux /proc/cpuinfo."""
+    fields: dict[str, str] = {}
+    processors = 0
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if not sep:
+            continue
+        if key == "processor":
+            processors += 1
+        fields.setdefault(key, value.strip())
+    flags = fields.get("flags") or fields.get("Features") or ""
+    # Old 32-bit ARM kernels name the CPU in "Processor"; 64-bit ARM kernels name it only by part number.
+    model = fields.get("model name") or fields.get("Processor") or _name_arm_core(fields)
+    return CpuInfo(model, processors, frozenset(flags.split()))
+
+
+def _name_arm_core(fields: dict[str, str]) -> str:
+    implementer = fields.get("CPU implementer", "").lower()
+    part = fields.get("CPU part", "").lower()
+    if not implementer:
+        return fields.get("Model", "")
+    maker = _ARM_IMPLEMENTERS.get(implementer, f"implementer {implementer}")
+    core = f"{maker} {_ARM_PARTS.get((implementer, part), f'part {part}')}"
+    board = fields.get("Model")  # Raspberry Pi kernels add the board name
+    return f"{board} ({core})" if board else core
+
+
+def parse_meminfo(text: str) -> MemInfo:
+    """Total and available memory from /proc/meminfo; without MemAvailable, available = MemFree + Buffers + Cached."""
+    kib: dict[str, int] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        numbers = value.split()
+        if sep and numbers and numbers[0].isdigit():
+            kib.setdefault(key.strip(), int(numbers[0]))
+    available = kib.get("MemAvailable")
+    if available is None:
+        available = kib.get("MemFree", 0) + kib.get("Buffers", 0) + kib.get("Cached", 0)
+    return MemInfo(kib.get("MemTotal", 0) * 1024, available * 1024)
+
+
+def parse_df(text: str) -> int | None:
+    """Free bytes from `df -Pk PATH`, None when the output has no data row."""
+    row = re.search(r"\s(\d+)\s+(\d+)\s+(\d+)\s+\d+%(\s|$)", text)
+    return int(row.group(3)) * 1024 if row else None
+
+
+def parse_nvidia_smi_csv(text: str, columns: Sequence[str] = NVIDIA_SMI_FIELDS) -> tuple[Gpu, ...]:
+    """GPUs from `nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`.
+
+    A header line, when present, names the columns (units such as ``[MiB]`` dropped); otherwise ``columns``
+    does. Rows with the wrong number of cells (error messages) are skipped. Without memory.free, free is
+    total - used. ``[N/A]`` / ``[Not Supported]`` memory means memory shared with the CPU (GB10, Jetson).
+    """
+    lines = [line for line in text.splitlines() if line.strip()]
+    if lines and {_drop_unit(cell) for cell in lines[0].split(",")} & {"index", "name", "memory.total"}:
+        columns = [_drop_unit(cell) for cell in lines[0].split(",")]
+        lines = lines[1:]
+    gpus = []
+    for line in lines:
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(columns):
+            continue
+        row = dict(zip(columns, cells, strict=True))
+        total, free, used = (_parse_size(row.get(f"memory.{field}", ""), "mib") for field in ("total", "free", "used"))
+        if free is None and total is not None and used is not None:
+            free = total - used
+        index = row.get("index", "")
+        gpus.append(Gpu("nvidia", row.get("name", ""), total, free, int(index) if index.isdigit() else None,
+                        unified=_is_unreported(row.get("memory.total", ""))))
+    return tuple(gpus)
+
+
+def _drop_unit(header: str) -> str:
+    return header.partition("[")[0].strip()
+
+
+def _is_unreported(cell: str) -> bool:
+    return cell.strip().strip("[]").lower() in {"n/a", "not supported"}
+
+
+def _parse_size(cell: str, default_unit: str) -> int | None:
+    """Bytes from "24564", "12288 MiB" or "16 GB" (binary units, as the GPU tools mean them)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?", cell.strip(), re.IGNORECASE)
+    if not match:
+        return None
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or default_unit).lower()])
+
+
+def parse_nvidia_smi_table(text: str) -> tuple[Gpu, ...]:
+    """GPUs from the human `nvidia-smi` table: name and "used / total MiB" of each GPU row.
+
+    Names may be cut short by the table ("NVIDIA GeForce RTX 4080 ..."). MIG instances are not listed:
+    the physical GPU row carries the whole memory. "Not Supported" memory means unified memory.
+    """
+    gpus: list[Gpu] = []
+    pending: tuple[int, str] | None = None
+    in_gpu_table = False
+    for line in text.splitlines():
+        if "Persistence-M" in line:
+            in_gpu_table = True
+            continue
+        if "MIG devices" in line or "Processes:" in line:
+            in_gpu_table = False  # their rows look like GPU rows (e.g. a process using "N/A" memory)
+        if not in_gpu_table or not line.lstrip().startswith("|"):
+            continue
+        cells = line.strip().strip("|").split("|")
+        gpu_row = re.fullmatch(r"\s*(\d+)\s+(.*?)\s+(?:On|Off|N/A)\s*", cells[0])
+        if gpu_row:
+            if pending:
+                gpus.append(Gpu("nvidia", pending[1], None, None, pending[0]))
+            pending = (int(gpu_row.group(1)), gpu_row.group(2))
+        elif pending and len(cells) > 1:
+            usage = re.search(r"(\d+)MiB\s*/\s*(\d+)MiB", cells[1])
+            if usage:
+                used, total = int(usage.group(1)) * MIB, int(usage.group(2)) * MIB
+                gpus.append(Gpu("nvidia", pending[1], total, total - used, pending[0]))
+            else:
+                gpus.append(Gpu("nvidia", pending[1], None, None, pending[0], unified=_is_unreported(cells[1])))
+            pending = None
+    if pending:  # a capture cut off after the GPU's first row
+        gpus.append(Gpu("nvidia", pending[1], None, None, pending[0]))
+    return tuple(gpus)
+
+
+def parse_rocm_smi_csv(text: str) -> tuple[Gpu, ...]:
+    """AMD GPUs from `rocm-smi --showproductname --showmeminfo vram --csv` (any warnings before the header skipped)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("device,")), None)
+    if start is None:
+        return ()
+    gpus = []
+    for raw in csv.DictReader(lines[start:]):
+        row = {str(key).strip().lower(): str(value).strip() for key, value in raw.items() if key and value}
+        total = used = None
+        for key, value in row.items():
+            vram = re.fullmatch(r"vram total (used )?memory \((\w+)\)", key)
+            if vram and vram.group(2) in _UNITS:
+                if vram.group(1):
+                    used = _parse_size(value, vram.group(2))
+                else:
+                    total = _parse_size(value, vram.group(2))
+        card = re.search(r"(\d+)$", row.get("device", ""))
+        name = row.get("card series") or row.get("device name") or row.get("card model") or ""
+        gpus.append(Gpu("amd", name, total, total - used if total is not None and used is not None else None,
+                        int(card.group(1)) if card else None))
+    return tuple(gpus)
+
+
+def parse_vulkaninfo_summary(text: str) -> tuple[VulkanDevice, ...]:
+    """Every device in the "Devices:" part of `vulkaninfo --summary`, software ones included (see `is_gpu`)."""
+    blocks: list[tuple[int, dict[str, str]]] = []
+    for line in text.splitlines():
+        header = re.fullmatch(r"GPU(\d+):", line.strip())
+        if header:
+            blocks.append((int(header.group(1)), {}))
+        elif blocks:
+            key, sep, value = line.partition("=")
+            if sep:
+                blocks[-1][1].setdefault(key.strip(), value.strip())
+    devices = []
+    for index, fields in blocks:
+        if "deviceName" not in fields:
+            continue
+        kind = fields.get("deviceType", "").removeprefix("PHYSICAL_DEVICE_TYPE_").removesuffix("_GPU").lower()
+        vendor_id = fields.get("vendorID", "")
+        pci_id = int(vendor_id, 16) if re.fullmatch(r"0x[0-9a-fA-F]+", vendor_id) else None
+        kind = kind if kind in {"discrete", "integrated", "virtual", "cpu"} else "other"
+        devices.append(VulkanDevice(index, fields["deviceName"], kind, _PCI_VENDORS.get(pci_id or 0, "other")))
+    return tuple(devices)
+
+
+def parse_sysctl(text: str) -> tuple[CpuInfo, MemInfo]:
+    """CPU and memory from macOS `sysctl` lines ("key: value").
+
+    Cores are logical CPUs (hw.ncpu). Flags are the hw.optional.* features set to 1, and on Intel Macs the
+    machdep.cpu.*features words, lower-cased. sysctl has no free-memory figure, and macOS hands out its
+    file cache and compressed memory on demand, so available is hw.memsize_usable (else hw.memsize).
+    """
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            values.setdefault(key.strip(), value.strip())
+    flags = {key.rsplit(".", 1)[-1].lower() for key, value in values.items()
+             if key.startswith("hw.optional.") and value == "1"}
+    for key in ("machdep.cpu.features", "machdep.cpu.leaf7_features", "machdep.cpu.extfeatures"):
+        flags.update(word.lower() for word in values.get(key, "").split())
+    cores = next((int(values[key]) for key in ("hw.ncpu", "hw.logicalcpu", "machdep.cpu.thread_count")
+                  if values.get(key, "").isdigit()), 0)
+    total = int(values["hw.memsize"]) if values.get("hw.memsize", "").isdigit() else 0
+    usable = values.get("hw.memsize_usable", "")
+    return (CpuInfo(values.get("machdep.cpu.brand_string", ""), cores, frozenset(flags)),
+            MemInfo(total, int(usable) if usable.isdigit() else total))
+
+
+def parse_system_profiler_displays(text: str) -> tuple[DisplayAdapter, ...]:
+    """GPUs from macOS `system_profiler SPDisplaysDataType`: chipset model, vendor, VRAM if listed, Metal support.
+
+    Apple GPUs are marked unified (no VRAM of their own).
+    """
+    adapters: list[dict[str, str]] = []
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition(":")
+        if not sep:
+            continue
+        if key == "Chipset Model":
+            adapters.append({})
+        if adapters:
+            adapters[-1].setdefault(key, value.strip())
+    found = []
+    for fields in adapters:
+        vendor = _guess_display_vendor(fields.get("Vendor", ""), fields["Chipset Model"])
+        vram = next((fields[key] for key in fields if key.startswith("VRAM")), "")
+        gpu = Gpu(vendor, fields["Chipset Model"], _parse_size(vram, "b"), None, unified=vendor == "apple")
+        found.append(DisplayAdapter(gpu, fields.get("Metal Support") or fields.get("Metal")))
+    return tuple(found)
+
+
+def _guess_display_vendor(vendor: str, chipset: str) -> str:
+    pci_id = re.search(r"0x([0-9a-fA-F]{4})", vendor)
+    if pci_id and int(pci_id.group(1), 16) in _PCI_VENDORS:
+        return _PCI_VENDORS[int(pci_id.group(1), 16)]
+    # Whole words: "ati" is inside "NVIDIA Corporation".
+    word = re.search(r"\b(apple|amd|ati|radeon|intel|nvidia)\b", f"{vendor} {chipset}", re.IGNORECASE)
+    return {"ati": "amd", "radeon": "amd"}.get(word.group(1).lower(), word.group(1).lower()) if word else "other"
+
+
+def parse_toolchain(text: str) -> Toolchain:
+    """Tool versions from the cmake, cxx, nvcc and hipcc sections that TOOLCHAIN_COMMAND prints."""
+    sections = split_sections(text)
+
+    def find(section: str, pattern: str) -> str | None:
+        match = re.search(pattern, sections.get(section, ""))
+        return match.group(1) if match else None
+
+    cxx = next((line.strip() for line in sections.get("cxx", "").splitlines() if line.strip()), None)
+    return Toolchain(find("cmake", r"cmake version (\S+)"), cxx,
+                     find("nvcc", r"release (\d+(?:\.\d+)*)"), find("hipcc", r"HIP version:\s*(\S+)"))
+
+
+def parse_node(text: str) -> NodeFacts:
+    """All facts from the output of PROBE_COMMAND."""
+    sections = split_sections(text)
+    system, arch = parse_uname(sections.get("uname", ""))
+    if system == "darwin":
+        version = sections.get("macos-version", "").strip()
+        os_info = OsInfo("darwin", "macos", version, f"macOS {version}".strip())
+        cpu, memory = parse_sysctl(sections.get("sysctl", ""))
+    else:
+        os_info = parse_os_release(sections.get("os-release", ""))
+        cpu, memory = parse_cpuinfo(sections.get("cpuinfo", "")), parse_meminfo(sections.get("meminfo", ""))
+    gpus = list(parse_nvidia_smi_csv(sections.get("nvidia-smi", "")))
+    if not gpus:
+        gpus = list(parse_nvidia_smi_table(sections.get("nvidia-smi-table", "")))
+    gpus += parse_rocm_smi_csv(sections.get("rocm-smi", ""))
+    gpus += [adapter.gpu for adapter in parse_system_profiler_displays(sections.get("system_profiler", ""))]
+    vulkan_gpus = [device for device in parse_vulkaninfo_summary(sections.get("vulkaninfo", "")) if device.is_gpu]
+    # A vendor's own tool knows the memory; Vulkan only adds GPUs that no such tool reported (e.g. Intel).
+    covered = {gpu.vendor for gpu in gpus}
+    gpus += [Gpu(device.vendor, device.name, None, None, device.index, unified=device.device_type == "integrated")
+             for device in vulkan_gpus if device.vendor not in covered]
+    return NodeFacts(os_info, arch, cpu, memory, tuple(gpus), parse_toolchain(text), bool(vulkan_gpus),
+                     parse_df(sections.get("df", "")))
+
+
+def choose_backend(facts: NodeFacts) -> tuple[str, str]:
+    """(backend, reason): the best of cuda, rocm, metal, vulkan and cpu that the node can build and run."""
+    notes = []
+    if facts.os.system == "linux":
+        for vendor, backend, tool, version, toolkit in (
+            ("nvidia", "cuda", "nvcc", facts.toolchain.nvcc, "the CUDA toolkit (nvcc)"),
+            ("amd", "rocm", "hipcc", facts.toolchain.hipcc, "ROCm (hipcc)"),
+        ):
+            gpus = [gpu for gpu in facts.gpus if gpu.vendor == vendor]
+            if gpus and version:
+                return backend, f"{_describe(gpus)} and {tool} {version} found"
+            if gpus:
+                notes.append(f"{_describe(gpus)} found but {toolkit} is missing")
+    if facts.os.system == "darwin" and facts.arch == "arm64":
+        apple = [gpu for gpu in facts.gpus if gpu.vendor == "apple"]
+        return "metal", f"{_describe(apple) if apple else 'Apple silicon GPU'} runs Metal"
+    if facts.vulkan:
+        notes.append(f"Vulkan runs on {_describe(facts.gpus)}")
+        return "vulkan", "; ".join(notes)
+    cpus = f"{facts.cpu.cores} logical CPU{'' if facts.cpu.cores == 1 else 's'}"
+    notes.append(f"{'' if notes else 'no GPU backend available; '}using the CPU: {facts.cpu.model or 'unknown model'}"
+                 f" ({cpus})")
+    return "cpu", "; ".join(notes)
+
+
+def _describe(gpus: Sequence[Gpu]) -> str:
+    labels = Counter(_label(gpu) for gpu in gpus)
+    return ", ".join(label if count == 1 else f"{count}x {label}" for label, count in labels.items())
+
+
+def _label(gpu: Gpu) -> str:
+    name = gpu.name or f"{gpu.vendor} GPU"
+    if gpu.memory_total:
+        return f"{name} ({gpu.memory_total / GIB:.1f} GiB)"
+    return f"{name} (unified memory)" if gpu.unified else name
+
+
+def install_hint(os: OsInfo, missing: str) -> str:
+    """A command that installs a missing build tool ("cmake" or "c++") on this OS."""
+    if os.system == "darwin":
+        return "xcode-select --install" if missing == "c++" else f"brew install {missing}"
+    manager = "apt-get" if os.distro_id in _APT_DISTROS else "dnf" if os.distro_id in _DNF_DISTROS else None
+    if manager is None:
+        what = "a C++ compiler (g++ or clang++)" if missing == "c++" else missing
+        return f"install {what} with the system's package manager"
+    return f"sudo {manager} install -y {_PACKAGES[manager].get(missing, missing)}"

@@ -1,0 +1,102 @@
+"""Real OpenSSH sshd servers on loopback, with throwaway keys, for ssh-node tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import free_port, listening
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def keygen(path: Path) -> str:
+    """A new passphrase-less ed25519 key pair; returns the public key line."""
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return Path(f"{path}.pub").read_text().strip()
+
+
+class Sshd:
+    """One sshd on 127.0.0.1:port that accepts ``authorized`` keys for the current user."""
+
+    def __init__(self, root: Path, authorized: Path, without: tuple[str, ...] = ()) -> None:
+        """``without``: commands missing from the PATH that sessions on this "node" get."""
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.port = free_port()
+        self.host_key = root / "host_ed25519"
+        self.host_public = keygen(self.host_key)
+        config = root / "sshd_config"
+        config.write_text("\n".join([
+            f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {self.host_key}",
+            f"PidFile {root / 'sshd.pid'}", f"AuthorizedKeysFile {authorized}",
+            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
+            "PermitRootLogin prohibit-password", "StrictModes no", "UsePAM no", "MaxSessions 64",
+            "MaxStartups 64", "Subsystem sftp internal-sftp", "LogLevel ERROR",
+            *([f"SetEnv PATH={self._path_without(root / 'bin', without)}"] if without else []), "",
+        ]))
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
+        self.log = (root / "sshd.log").open("w")
+        self.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not listening(self.port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sshd did not start: {(root / 'sshd.log').read_text()}")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _path_without(folder: Path, without: tuple[str, ...]) -> Path:
+        folder.mkdir()
+        for directory in ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+            for tool in Path(directory).iterdir() if Path(directory).is_dir() else ():
+                if tool.name not in without and not (folder / tool.name).exists():
+                    (folder / tool.name).symlink_to(tool)
+        return folder
+
+    def known_hosts_line(self) -> str:
+        return f"[127.0.0.1]:{self.port} {' '.join(self.host_public.split()[:2])}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.log.close()
+
+
+class SshWorld:
+    """A client HOME with a key and known_hosts, and several sshd 'nodes' that trust that key."""
+
+    def __init__(self, root: Path, nodes: int) -> None:
+        self.root = root
+        self.home = root / "home"
+        ssh = self.home / ".ssh"
+        ssh.mkdir(parents=True, mode=0o700)
+        self.identity = ssh / "id_ed25519"
+        authorized = root / "authorized_keys"
+        authorized.write_text(keygen(self.identity) + "\n")
+        self.authorized = authorized
+        self.servers = [Sshd(root / f"sshd{index}", authorized) for index in range(nodes)]
+        self.extra: list[Sshd] = []
+        (ssh / "known_hosts").write_text("".join(s.known_hosts_line() + "\n" for s in self.servers))
+
+    def extra_server(self, root: Path, without: tuple[str, ...] = (), trusted: bool = False) -> Sshd:
+        """Another node that accepts our key; its host key is in known_hosts only when ``trusted``."""
+        server = Sshd(root, self.authorized, without)
+        self.extra.append(server)
+        if trusted:
+            with (self.home / ".ssh" / "known_hosts").open("a") as handle:
+                handle.write(server.known_hosts_line() + "\n")
+        return server
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The CLI's environment: this HOME, but the real build cache (no rebuilds per test)."""
+        from core.build import cache_dir
+
+        return {**os.environ, "HOME": str(self.home), "GGML_CLUSTER_CACHE_DIR": str(cache_dir()), **extra}
+
+    def stop(self) -> None:
+        for server in [*self.servers, *self.extra]:
+            server.stop()

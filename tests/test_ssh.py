@@ -1,0 +1,211 @@
+"""SSH nodes against real OpenSSH sshd servers on loopback: deploy, run, fail clearly, stay on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Cluster, free_port
+from tests.sshd import SSHD, SshWorld, keygen
+from tests.test_cluster import PROMPT, single_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900),
+              pytest.mark.skipif(not Path(SSHD).exists(), reason="OpenSSH sshd is not installed (.ci/run installs it)")]
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[SshWorld]:
+    root = Path(tempfile.mkdtemp(prefix="gcs-", dir="/tmp"))
+    world = SshWorld(root, nodes=3)
+    yield world
+    world.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def ssh_lines(world: SshWorld, index: int, **override: str) -> list[str]:
+    server = world.servers[index]
+    fields = {"host": "127.0.0.1", "port": str(server.port), "user": "root", "identity": str(world.identity),
+              **override}
+    return [f"{key}: {value}" for key, value in fields.items()]
+
+
+def ssh_cluster(world: SshWorld, root: Path, nodes: int = 3, overrides: dict[int, dict[str, str]] | None = None,
+                extra: dict[int, list[str]] | None = None) -> Cluster:
+    lines = [ssh_lines(world, index, **(overrides or {}).get(index, {})) for index in range(nodes)]
+    return Cluster(root, nodes=nodes, ssh=lines, extra=extra, base_env=world.env(),
+                   defaults=[f"workdir: {root / 'node root'}"])
+
+
+def listeners(port: int) -> set[str]:
+    """Addresses with a listening TCP socket on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address)
+    return found
+
+
+@pytest.fixture
+def short_root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gcn-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_three_ssh_nodes_up_run_status_down(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root)
+    try:
+        cluster.cli("up")
+        status = cluster.status()
+        assert [node["state"] for node in status["nodes"]] == ["ready"] * 3
+        for node in status["nodes"]:
+            assert node["kind"] == "ssh" and node["backend"] == "cpu" and node["arch"]
+            assert "worker" in node["detail"]
+        assert [node["layers"] for node in status["nodes"]] == [[0, 2], [3, 5], [6, 7]]
+        # RPC rides the SSH connections: every worker listens on the node's loopback only.
+        for port in cluster.ports:
+            assert listeners(port) == {"127.0.0.1"}
+        result = json.loads(cluster.cli("run", PROMPT, "-n", "64", "--json").stdout)
+        model = json.loads((cluster.state / "launch.json").read_text())["model"]
+        assert result["text"] == single_process(model, PROMPT, 64)["text"]
+
+        pids = [cluster.worker_pid(f"n{index}") for index in range(3)]
+        started = time.monotonic()
+        again = cluster.cli("up")
+        elapsed = time.monotonic() - started
+        assert "already up" in again.stderr
+        assert [cluster.worker_pid(f"n{index}") for index in range(3)] == pids
+        assert elapsed < 30
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
+    assert not any(listeners(port) for port in cluster.ports)
+
+
+def test_controller_restart_adopts_ssh_workers_without_redeploying(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=2)
+    try:
+        cluster.cli("up")
+        pids = [cluster.worker_pid(f"n{index}") for index in range(2)]
+        controller = (cluster.state / "controller.pid").read_text().strip()
+        os.kill(int(controller), signal.SIGKILL)
+        cluster.cli("up")
+        assert [cluster.worker_pid(f"n{index}") for index in range(2)] == pids
+        events = [event["message"] for event in cluster.status()["events"]]
+        assert sum("adopted" in message for message in events) == 2
+        assert any("worker cached" in message for message in events)
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
+
+
+def test_remote_build_on_a_node(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=1, extra={0: ["build: remote"]})
+    try:
+        cluster.cli("up")
+        node = cluster.status()["nodes"][0]
+        assert node["state"] == "ready" and "worker built" in node["detail"]
+        logs = list(short_root.glob("node root/bin/*.build.log"))
+        assert logs and "ggml-rpc-server" in logs[0].read_text()
+        assert cluster.cli("run", PROMPT, "-n", "8").returncode == 0
+    finally:
+        cluster.cli("down", check=False)
+
+
+FAILURES = {
+    "unreachable": ({"port": "PORT"}, "n1: node n1: cannot reach root@127.0.0.1:{port}"),
+    "wrong key": ({"identity": "OTHER_KEY"}, "n1: node n1: authentication failed for root@127.0.0.1"),
+    "unknown host key": ({"host_key": "strict", "port": "UNKNOWN_HOST"}, "n1: node n1: the host key of"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_a_bad_node_is_reported_and_the_rest_runs(world: SshWorld, short_root: Path, case: str) -> None:
+    override, expected = FAILURES[case]
+    override = dict(override)
+    if override.get("port") == "PORT":
+        override["port"] = str(free_port())
+    if override.get("port") == "UNKNOWN_HOST":
+        stranger = world.extra_server(short_root / "stranger")
+        override["port"] = str(stranger.port)
+    if override.get("identity") == "OTHER_KEY":
+        other = short_root / "other_key"
+        keygen(other)
+        override["identity"] = str(other)
+    cluster = ssh_cluster(world, short_root, nodes=2, overrides={1: override})
+    message = expected.format(port=override.get("port"))
+    try:
+        result = cluster.cli("up")
+        assert "running on 1 of 2 nodes" in result.stderr and message in result.stderr
+        assert [node["state"] for node in cluster.status()["nodes"]] == ["ready", "failed"]
+        cluster.cli("down")
+        strict = cluster.cli("up", "--require-all", check=False)
+        assert strict.returncode == 1 and message in strict.stderr
+    finally:
+        cluster.cli("down", check=False)
+
+
+def test_accept_new_records_an_unknown_host_key(world: SshWorld, short_root: Path) -> None:
+    stranger = world.extra_server(short_root / "stranger")
+    known_hosts = world.home / ".ssh" / "known_hosts"
+    before = known_hosts.read_text()
+    cluster = ssh_cluster(world, short_root, nodes=1,
+                          overrides={0: {"port": str(stranger.port), "host_key": "accept-new"}})
+    try:
+        cluster.cli("up")
+        assert f"[127.0.0.1]:{stranger.port} ssh-ed25519" in known_hosts.read_text()
+    finally:
+        cluster.cli("down", check=False)
+        known_hosts.write_text(before)
+
+
+def test_missing_cmake_on_the_node_names_the_fix(world: SshWorld, short_root: Path) -> None:
+    bare = world.extra_server(short_root / "bare", without=("cmake",), trusted=True)
+    cluster = ssh_cluster(world, short_root, nodes=1,
+                          overrides={0: {"port": str(bare.port)}}, extra={0: ["build: remote"]})
+    try:
+        result = cluster.cli("up", check=False)
+        assert result.returncode == 1
+        assert "n0: cmake not found, needed to build the worker there" in result.stderr
+        assert "apt-get install" in result.stderr
+    finally:
+        cluster.cli("down", check=False)
+
+
+def test_port_in_use_on_the_node(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=2)
+    squatter = socket.create_server(("127.0.0.1", cluster.ports[1]))
+    try:
+        result = cluster.cli("up", "--require-all", check=False)
+        assert result.returncode == 1
+        assert f"port {cluster.ports[1]} on 127.0.0.1 is already in use by another process" in result.stderr
+    finally:
+        squatter.close()
+        cluster.cli("down", check=False)
+
+
+def test_shell_metacharacters_in_paths_execute_nothing(world: SshWorld, short_root: Path) -> None:
+    canary = short_root / "PWNED"
+    hostile = f"{short_root}/a b;touch {canary};$(touch {canary})`touch {canary}`"
+    cluster = ssh_cluster(world, short_root, nodes=1)
+    text = cluster.inventory.read_text().replace(f"workdir: {short_root / 'node root'}", f"workdir: '{hostile}'")
+    cluster.inventory.write_text(text)
+    try:
+        cluster.cli("up")
+        assert cluster.cli("run", PROMPT, "-n", "4").returncode == 0
+        assert Path(hostile).is_dir()
+    finally:
+        cluster.cli("down", check=False)
+    assert not canary.exists()
