@@ -14,10 +14,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from cli import dashboard
-from cli.render import run_summary, status_view, to_text
+from cli.render import check_table, deploy_table, run_summary, status_view, to_text
 from core import client
 from core.errors import ClusterError
-from core.inventory import Inventory, find_inventory, load_inventory
+from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
 from core.status import ClusterStatus, NodeState
 
 app = typer.Typer(
@@ -87,10 +87,13 @@ def up(
     Idempotent: with nothing changed it returns at once; a changed inventory restarts the cluster.
     """
     inventory = _inventory()
+    for warning in direct_warnings(inventory):
+        err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
     seen: dict[str, str] = {}
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                         TimeElapsedColumn(), console=err, transient=True)
     task: list[TaskID] = []
+    bars: dict[str, TaskID] = {}
 
     def on_build(message: str, fraction: float | None) -> None:
         if not task:
@@ -103,6 +106,14 @@ def up(
             progress.stop()
             task.clear()
         for node in snapshot.nodes:
+            if node.state == NodeState.DEPLOYING and node.last_status:
+                if node.name not in bars:
+                    progress.start()
+                    bars[node.name] = progress.add_task(node.last_status, total=1.0)
+                progress.update(bars[node.name], description=f"{node.name}: {node.last_status}",
+                                completed=node.progress or 0.0)
+            elif node.name in bars:
+                progress.update(bars.pop(node.name), visible=False)
             state = str(node.state)
             if seen.get(node.name) != state:
                 seen[node.name] = state
@@ -126,6 +137,8 @@ def up(
     elif result.restarted:
         err.print(f"cluster '{inventory.cluster}' restarted with the changed inventory")
     out.print(status_view(snapshot, events=0))
+    if any(node.kind != "local" or node.state == NodeState.FAILED for node in snapshot.nodes):
+        out.print(deploy_table(snapshot))
     ready = sum(node.state == NodeState.READY for node in snapshot.nodes)
     failed = client.failed_nodes(snapshot)
     if failed:
@@ -198,6 +211,27 @@ def run(
     else:
         sys.stdout.write("\n")
         err.print(run_summary(result), style="dim", highlight=False)
+
+
+@app.command()
+def check(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Preflight every node (reach, hardware, backend, toolchain, worker, port) without starting anything.
+
+    Exits 1 when any node has a problem.
+    """
+    inventory = _inventory()
+    rows = _execute(client.check(inventory))
+    if as_json:
+        sys.stdout.write(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
+    else:
+        out.print(check_table(rows))
+    bad = [row.name for row in rows if row.problem]
+    if bad:
+        err.print(f"{len(bad)} of {len(rows)} nodes have problems: {', '.join(bad)}")
+        raise typer.Exit(1)
+    err.print(f"all {len(rows)} nodes are ready to run a worker")
 
 
 @app.command()

@@ -10,6 +10,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from core.client import NodeCheck
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 STATE_STYLE = {
@@ -118,6 +119,31 @@ def to_text(renderable: RenderableType, width: int = 100) -> str:
     buffer = io.StringIO()
     Console(file=buffer, width=width, color_system=None, force_terminal=False).print(renderable)
     return buffer.getvalue()
+
+
+def deploy_table(status: ClusterStatus) -> Table:
+    """After `up`: how each node came up, or why it did not."""
+    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
+    for column in ("NODE", "HOST", "STATE", "BACKEND"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("HOW / WHY", overflow="fold")
+    for node in status.nodes:
+        table.add_row(node.name, node.host, Text(str(node.state), style=STATE_STYLE[node.state]),
+                      node.backend or "-", node.last_error if node.state == NodeState.FAILED else node.detail or "-")
+    return table
+
+
+def check_table(rows: list[NodeCheck]) -> Table:
+    """`check`: one row per node, problems in red."""
+    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
+    for column in ("NODE", "HOST", "SYSTEM", "BACKEND", "WORKER", "PORT"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("HARDWARE / PROBLEM", overflow="fold")
+    for row in rows:
+        last = Text(row.problem, style="bold red") if row.problem else Text(f"{row.hardware}; {row.reason}")
+        table.add_row(row.name, row.host, row.system or "-", row.backend or "-", row.worker or "-",
+                      row.port or "-", last)
+    return table
 
 
 def run_summary(result: dict[str, Any]) -> str:

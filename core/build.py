@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TextIO
@@ -271,7 +271,7 @@ class Deployment:
     binary: str
     key: str
     backend: str
-    how: str     # cached | pushed | built | installed
+    how: str     # cached | pushed | built | installed (planned: push | remote)
     reason: str  # why this backend
 
 
@@ -298,48 +298,62 @@ def node_root(remote: Remote, workdir: str | None) -> str:
     return remote.home() + path[1:] if path.startswith("~") else path
 
 
-async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str, *, local_flags: frozenset[str],
-                        progress: Progress) -> Deployment:
-    """Put a ggml-rpc-server for this node's backend on it: cached, pushed, built there, or installed."""
+async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: str,
+                            local_flags: frozenset[str]) -> Deployment:
+    """How the node gets its worker, without changing anything: ``how`` is the plan
+    (cached | push | remote | installed); raises DeployError when no way works."""
     backend, reason = (node.backend, f"backend: {node.backend} in the inventory") if node.backend != "auto" \
         else choose_backend(facts)
-    version = pinned_version()
-    key = build_key(version, backend, facts.os.system, facts.arch)
+    key = build_key(pinned_version(), backend, facts.os.system, facts.arch)
     if isinstance(node.build, BuildPath):
         path = node_root(remote, node.build.path) if node.build.path.startswith("~") else node.build.path
-        check = await remote.run(f"test -x {shell_command([path])}")
-        if check.code != 0:
+        if (await remote.run(f"test -x {shell_command([path])}")).code != 0:
             raise DeployError(f"node {node.name}: build.path {path} is not an executable file on the node",
                               "fix: install ggml-rpc-server there or use build: auto")
         return Deployment(path, key, backend, "installed", reason)
-    home = f"{root}/bin/{key}"
-    binary = f"{home}/{TARGET}"
-    if await _present(remote, home):
+    binary = f"{root}/bin/{key}/{TARGET}"
+    if await _present(remote, f"{root}/bin/{key}"):
         return Deployment(binary, key, backend, "cached", reason)
     refusal = push_refusal(facts, backend, local_flags)
     mode = node.build if node.build != "auto" else ("push" if refusal is None else "remote")
     if mode == "push" and refusal is not None:
         raise DeployError(f"node {node.name}: cannot push this machine's build: {refusal}",
                           "fix: use build: remote (or auto) to build on the node")
-    async with _node_lock(remote, f"{root}/bin/{key}.lock"):
+    if mode == "remote":
+        missing = [tool for tool, found in (("cmake", facts.toolchain.cmake), ("c++", facts.toolchain.cxx))
+                   if not found]
+        if missing:
+            raise DeployError(f"node {node.name}: {' and '.join(missing)} not found, needed to build the worker "
+                              "there", f"fix: {install_hint(facts.os, missing[0])}")
+    return Deployment(binary, key, backend, mode, reason)
+
+
+async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str, *, local_flags: frozenset[str],
+                        progress: Progress) -> Deployment:
+    """Put a ggml-rpc-server for this node's backend on it: cached, pushed, built there, or installed."""
+    plan = await decide_deployment(remote, node, facts, root, local_flags)
+    if plan.how in ("cached", "installed"):
+        return plan
+    home = f"{root}/bin/{plan.key}"
+    async with _node_lock(remote, f"{home}.lock"):
         if await _present(remote, home):
-            return Deployment(binary, key, backend, "cached", reason)
-        if mode == "push":
+            return replace(plan, how="cached")
+        if plan.how == "push":
             local = await asyncio.to_thread(worker_binary, "cpu", progress)
             progress(f"pushing {TARGET} to {node.name}", None)
             await remote.upload(local.path, f"{home}.partial/{TARGET}", 0o755)
             how = "pushed"
         else:
-            await _build_on_node(remote, node, facts, root, key=key, backend=backend, progress=progress)
+            await _build_on_node(remote, node, root, key=plan.key, backend=plan.backend, progress=progress)
             how = "built"
-        manifest = json.dumps({"key": key, "version": version, "backend": backend, "how": how})
+        manifest = json.dumps({"key": plan.key, "version": pinned_version(), "backend": plan.backend, "how": how})
         installed = await remote.run(
             f"cd {shell_command([root + '/bin'])} && printf '%s' {shell_command([manifest])} > "
-            f"{shell_command([key + '.partial/manifest.json'])} && rm -rf {shell_command([key])} && "
-            f"mv {shell_command([key + '.partial', key])}")
+            f"{shell_command([plan.key + '.partial/manifest.json'])} && rm -rf {shell_command([plan.key])} && "
+            f"mv {shell_command([plan.key + '.partial', plan.key])}")
         if installed.code != 0:
             raise DeployError(f"node {node.name}: cannot install the worker: {installed.stderr.strip()}")
-    return Deployment(binary, key, backend, how, reason)
+    return replace(plan, how=how)
 
 
 async def _present(remote: Remote, home: str) -> bool:
@@ -365,13 +379,8 @@ async def _node_lock(remote: Remote, path: str, timeout: float = 3600.0) -> Asyn
         await remote.run(f"rmdir {quoted}")
 
 
-async def _build_on_node(remote: Remote, node: Node, facts: NodeFacts, root: str, *, key: str, backend: str,
+async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, backend: str,
                          progress: Progress) -> None:
-    missing = [tool for tool, found in (("cmake", facts.toolchain.cmake), ("c++", facts.toolchain.cxx))
-               if not found]
-    if missing:
-        raise DeployError(f"node {node.name}: {' and '.join(missing)} not found, needed to build the worker there",
-                          f"fix: {install_hint(facts.os, missing[0])}")
     version = pinned_version()
     archive = await asyncio.to_thread(worker_archive, version, progress)
     progress(f"uploading llama.cpp worker source to {node.name}", None)

@@ -11,16 +11,26 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.build import TARGET, Progress, cache_dir, worker_binary
-from core.controller import Launch, node_spec, ssh_worker_dir
+from core.build import (
+    TARGET,
+    Progress,
+    build_key,
+    cache_dir,
+    decide_deployment,
+    node_root,
+    pinned_version,
+    worker_binary,
+)
+from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, node_spec, ssh_worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError
 from core.inventory import Inventory, Node, parse_inventory
 from core.model import demo_model, read_model
+from core.probe import PROBE_COMMAND, parse_node
 from core.remote import LocalRemote, Remote, SshRemote
 from core.state import StateDir, fingerprint, process_alive, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState
@@ -257,3 +267,70 @@ async def _stop_leftover_workers(state: StateDir) -> DownResult:
         if isinstance(result, BaseException) and not isinstance(result, ClusterError):
             raise result
     return DownResult([result for result in results if isinstance(result, str)], unreachable)
+
+
+@dataclass(frozen=True)
+class NodeCheck:
+    """What `check` found on one node."""
+
+    name: str
+    host: str
+    system: str = ""     # os/arch
+    hardware: str = ""   # cores, memory, GPUs
+    backend: str = ""
+    reason: str = ""     # why that backend
+    worker: str = ""     # cached | push | remote | installed | local build
+    port: str = ""       # free | used by this cluster's worker | …
+    problem: str = ""    # empty when the node is good to go
+
+    def to_dict(self) -> dict[str, str]:
+        """Plain dict for JSON."""
+        return dict(vars(self))
+
+
+async def check(inventory: Inventory) -> list[NodeCheck]:
+    """Preflight every node (reach, probe, toolchain, worker, port) in parallel, starting nothing."""
+    state = state_for(inventory)
+    flags = local_cpu_flags()
+    gate = asyncio.Semaphore(PARALLEL_NODES)
+
+    async def one(node: Node) -> NodeCheck:
+        remote: Remote = LocalRemote(node.name) if node.kind == "local" else SshRemote(node)
+        row = NodeCheck(node.name, node.host or "localhost")
+        async with gate:
+            try:
+                await remote.connect()
+                facts = parse_node((await remote.run(PROBE_COMMAND, timeout=120)).stdout)
+                gpus = ", ".join(f"{gpu.name}" + (f" {gpu.memory_total / (1 << 30):.0f} GiB" if gpu.memory_total
+                                                  else "") for gpu in facts.gpus)
+                row = replace(row, system=f"{facts.os.system}/{facts.arch}",
+                              hardware=f"{facts.cpu.cores} cores, {facts.memory.total / (1 << 30):.1f} GiB"
+                              + (f", {gpus}" if gpus else ""))
+                if node.kind == "local":
+                    workdir = inventory.workdir(node) or state.node_dir(node.name)
+                    spec = worker.WorkerSpec(node=node.name, workdir=str(workdir), binary=TARGET, port=node.rpc_port)
+                    built = await asyncio.to_thread(_local_build_exists)
+                    row = replace(row, backend="cpu", reason="local nodes run this machine's cpu build",
+                                  worker="cached" if built else "build here")
+                else:
+                    plan = await decide_deployment(remote, node, facts, node_root(remote, node.workdir), flags)
+                    spec = worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(inventory, node, remote),
+                                             binary=TARGET, port=node.rpc_port)
+                    row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
+                ours = await worker.running_supervisor(remote, spec) is not None
+                used = await remote.port_open(node.rpc_port)
+                port = "used by this cluster's worker" if ours else "in use by another process" if used else "free"
+                row = replace(row, port=f"{node.rpc_port} {port}")
+                if used and not ours:
+                    row = replace(row, problem=f"port {node.rpc_port} is in use by another process")
+            except ClusterError as exc:
+                row = replace(row, problem=str(exc))
+            finally:
+                await remote.close()
+        return row
+
+    return list(await asyncio.gather(*(one(node) for node in inventory.nodes)))
+
+
+def _local_build_exists() -> bool:
+    return (cache_dir() / "bin" / build_key(pinned_version(), "cpu") / TARGET).is_file()

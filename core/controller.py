@@ -190,13 +190,14 @@ class Controller:
             status.state = NodeState.STARTING
             self.notify()
             if await worker.running_supervisor(runtime.remote, spec) is None and await runtime.remote.port_open(
-                    runtime.node.rpc_port):
+                    runtime.node.rpc_port, spec.bind):
                 # Probing it would talk to somebody else's server as if it were ours.
                 raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
                                   "use by another process", "fix: stop that process or set another rpc_port")
             adopted = await worker.start(runtime.remote, spec)
             self.record("worker", "adopted the running worker" if adopted else "worker started", name)
-            runtime.endpoint = await runtime.remote.endpoint(runtime.node.rpc_port)
+            direct = runtime.node.kind == "ssh" and runtime.node.transport == "direct"
+            runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
             self._spawn(self._probe_until_ready(runtime))
             await self._follow(runtime, offset)
         except ClusterError as exc:
@@ -227,7 +228,8 @@ class Controller:
         status.progress = None
         self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
         return worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(self.inventory, node, remote),
-                                 binary=deployment.binary, port=node.rpc_port, threads=node.threads)
+                                 binary=deployment.binary, port=node.rpc_port, threads=node.threads,
+                                 bind=node.host if node.transport == "direct" else "127.0.0.1")
 
     def _show_progress(self, runtime: NodeRuntime, message: str, fraction: float | None) -> None:
         runtime.status.last_status = message
@@ -670,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     state = StateDir(Path(args.state_dir))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
     state.pid.write_text(str(os.getpid()))
     return asyncio.run(serve(state))
 

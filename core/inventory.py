@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -107,6 +108,12 @@ class Node(_Frozen):
         if self.kind == "ssh" and not self.host:
             raise ValueError("an ssh node needs 'host' (an address or ~/.ssh/config alias); "
                              "or set 'kind: local' to run the worker on this machine")
+        if self.kind == "ssh" and self.transport == "direct":
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ValueError(f"transport: direct binds the worker to 'host', so it must be the node's IP "
+                                 f"address on the private network, not {self.host!r}") from None
         return self
 
     @property
@@ -275,6 +282,13 @@ def _validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate:
 # pydantic names union members in error locations; they mean nothing to a user.
 _UNION_TAGS = frozenset({"literal['auto','remote','push']", "BuildPath", "int", "str",
                          "function-after[_host_for_kind(), Node]"})
+
+
+def direct_warnings(inventory: Inventory) -> list[str]:
+    """One warning per node whose unauthenticated RPC port is reachable from its network."""
+    return [f"node {node.name}: transport: direct exposes the worker's unauthenticated RPC port on "
+            f"{node.host}:{node.rpc_port}; anyone who can reach it can use or crash the worker"
+            for node in inventory.nodes if node.kind == "ssh" and node.transport == "direct"]
 
 
 def _explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None]:

@@ -52,8 +52,8 @@ class Remote(Protocol):
 
     name: str
 
-    async def run(self, command: str, timeout: float = 30.0) -> CommandResult:
-        """Run a shell command to completion."""
+    async def run(self, command: str, timeout: float = 30.0, stdin: str | None = None) -> CommandResult:
+        """Run a shell command to completion, with ``stdin`` as its input."""
         ...
 
     def follow(self, command: str) -> AsyncIterator[str]:
@@ -76,8 +76,8 @@ class Remote(Protocol):
         """Reach the node (raises ConnectError with what to fix)."""
         ...
 
-    async def port_open(self, port: int) -> bool:
-        """Whether something listens on the node's 127.0.0.1:port."""
+    async def port_open(self, port: int, host: str = "127.0.0.1") -> bool:
+        """Whether something listens on the node's host:port (its loopback by default)."""
         ...
 
     async def close(self) -> None:
@@ -92,13 +92,14 @@ class LocalRemote:
         self.name = name
         self._followers: set[asyncio.subprocess.Process] = set()
 
-    async def run(self, command: str, timeout: float = 30.0) -> CommandResult:
-        """Run a shell command to completion."""
+    async def run(self, command: str, timeout: float = 30.0, stdin: str | None = None) -> CommandResult:
+        """Run a shell command to completion, with ``stdin`` as its input."""
         process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", command, stdin=asyncio.subprocess.DEVNULL,
+            "/bin/sh", "-c", command, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
-            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
+            data = None if stdin is None else stdin.encode()
+            stdout, stderr = await asyncio.wait_for(process.communicate(data), timeout)
         except TimeoutError:
             process.kill()
             await process.wait()
@@ -148,10 +149,10 @@ class LocalRemote:
     async def connect(self) -> None:
         """Nothing to connect to."""
 
-    async def port_open(self, port: int) -> bool:
-        """Whether something listens on 127.0.0.1:port."""
+    async def port_open(self, port: int, host: str = "127.0.0.1") -> bool:
+        """Whether something listens on host:port."""
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2.0)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
         except (OSError, TimeoutError):
             return False
         writer.close()
@@ -203,6 +204,9 @@ class SshRemote:
     async def connect(self) -> None:
         """Open the connection; every failure becomes one ConnectError that says what to fix."""
         name = self.name
+        if self.node.identity and not Path(self.node.identity).expanduser().is_file():
+            raise ConnectError(f"node {name}: identity file {self.node.identity} does not exist",
+                               "fix: correct 'identity', or remove it to use ssh-agent and ~/.ssh/id_*")
         try:
             if self.node.host_key == "accept-new":
                 await self._accept_new_host_key()
@@ -250,10 +254,10 @@ class SshRemote:
         """The login user's $HOME on the node."""
         return self._home
 
-    async def run(self, command: str, timeout: float = 30.0) -> CommandResult:
-        """Run a shell command on the node to completion."""
+    async def run(self, command: str, timeout: float = 30.0, stdin: str | None = None) -> CommandResult:
+        """Run a shell command on the node to completion, with ``stdin`` as its input."""
         try:
-            result = await asyncio.wait_for(self._connection().run(command, check=False), timeout)
+            result = await asyncio.wait_for(self._connection().run(command, check=False, input=stdin), timeout)
         except TimeoutError:
             raise ConnectError(f"node {self.name}: command timed out after {timeout:g}s") from None
         except (asyncssh.Error, OSError) as exc:
@@ -289,10 +293,10 @@ class SshRemote:
         except (asyncssh.Error, OSError) as exc:
             raise ConnectError(f"node {self.name}: upload of {source.name} failed: {exc}") from None
 
-    async def port_open(self, port: int) -> bool:
-        """Whether something listens on the node's 127.0.0.1:port (asked from the node's side)."""
+    async def port_open(self, port: int, host: str = "127.0.0.1") -> bool:
+        """Whether something listens on the node's host:port (asked from the node's side)."""
         try:
-            _, writer = await asyncio.wait_for(self._connection().open_connection("127.0.0.1", port), 10.0)
+            _, writer = await asyncio.wait_for(self._connection().open_connection(host, port), 10.0)
         except (asyncssh.ChannelOpenError, TimeoutError):
             return False
         except (asyncssh.Error, OSError) as exc:

@@ -137,14 +137,6 @@ def event_path(spec: WorkerSpec) -> str:
     return f"{spec.workdir}/events.jsonl"
 
 
-async def install(remote: Remote, spec: WorkerSpec) -> None:
-    """Create the work dir and put the supervisor script in it."""
-    result = await remote.run(f"mkdir -p {shell_command([spec.workdir])}")
-    if result.code != 0:
-        raise DeployError(f"node {spec.node}: cannot create work dir {spec.workdir}: {result.stderr.strip()}")
-    await remote.upload(SUPERVISOR, f"{spec.workdir}/supervise.sh", 0o755)
-
-
 async def running_supervisor(remote: Remote, spec: WorkerSpec) -> tuple[int, str] | None:
     """The live supervisor's pid and the worker command it runs, or None."""
     workdir = shell_command([spec.workdir])
@@ -167,17 +159,19 @@ async def start(remote: Remote, spec: WorkerSpec) -> bool:
         return True
     if current is not None:
         await stop(remote, spec)
-    await install(remote, spec)
     workdir = shell_command([spec.workdir])
-    command_file = shell_command([f"{spec.workdir}/command"])
-    write = await remote.run(f"printf '%s' {shell_command([spec.command()])} > {command_file} && "
-                             f"rm -f {workdir}/supervisor.pid && {spec.supervisor_command()}")
+    # One round trip: make the folder, install the supervisor (sent on stdin), record the command, start.
+    write = await remote.run(
+        f"mkdir -p {workdir} && cd {workdir} && cat > supervise.sh.partial && chmod 755 supervise.sh.partial && "
+        f"mv supervise.sh.partial supervise.sh && printf '%s' {shell_command([spec.command()])} > command && "
+        f"rm -f supervisor.pid && {spec.supervisor_command()}", stdin=SUPERVISOR.read_text())
     if write.code != 0:
-        raise DeployError(f"node {spec.node}: cannot start the worker: {write.stderr.strip() or write.code}")
-    for _ in range(50):
+        raise DeployError(f"node {spec.node}: cannot start the worker in {spec.workdir}: "
+                          f"{write.stderr.strip() or write.code}")
+    for _ in range(100):
         if await running_supervisor(remote, spec) is not None:
             return False
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
     log = await remote.run(f"tail -n 5 {workdir}/supervisor.log")
     raise DeployError(f"node {spec.node}: the worker supervisor did not start: "
                       f"{log.stdout.strip() or 'no output'}")

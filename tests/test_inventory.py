@@ -42,6 +42,8 @@ BAD = {
     "empty": ("", "bad.yaml: the inventory is empty"),
     "port out of range": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    rpc_port: 70000\n",
                           "nodes[0] (x).rpc_port: 70000: input should be less than or equal to 65535"),
+    "direct needs an ip": ("cluster: a\nnodes:\n  - name: x\n    host: pi.lan\n    transport: direct\n",
+                           "bad.yaml:3: nodes[0] (x): transport: direct binds the worker to 'host'"),
     "api port clash": ("cluster: a\napi: {port: 50052}\nnodes:\n  - name: x\n    kind: local\n",
                        "nodes[0].rpc_port: port 50052 clashes with api.port"),
 }

@@ -209,3 +209,52 @@ def test_shell_metacharacters_in_paths_execute_nothing(world: SshWorld, short_ro
     finally:
         cluster.cli("down", check=False)
     assert not canary.exists()
+
+
+def test_check_reports_every_node_without_starting_anything(world: SshWorld, short_root: Path) -> None:
+    bare = world.extra_server(world.root / f"bare-{short_root.name}", without=("cmake",), trusted=True)
+    cluster = ssh_cluster(world, short_root, nodes=3, overrides={1: {"port": str(bare.port)}},
+                          extra={1: ["build: remote"], 2: ["identity: /nonexistent/key"]})
+    squatter = socket.create_server(("127.0.0.1", cluster.ports[0]))
+    try:
+        result = cluster.cli("check", "--json", check=False)
+    finally:
+        squatter.close()
+    assert result.returncode == 1
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert rows["n0"]["system"].startswith("linux/") and rows["n0"]["backend"] == "cpu"
+    assert rows["n0"]["problem"] == f"port {cluster.ports[0]} is in use by another process"
+    assert "cmake not found" in rows["n1"]["problem"] and "apt-get install" in rows["n1"]["problem"]
+    assert "identity file /nonexistent/key does not exist" in rows["n2"]["problem"]
+    assert "3 of 3 nodes have problems" in result.stderr
+    assert cluster.processes() == [] and not (cluster.state / "controller.pid").exists()
+    table = cluster.cli("check", check=False).stdout
+    assert "n0" in table and "cmake not found" in table
+
+
+def test_ssh_config_alias_is_honoured(world: SshWorld, short_root: Path) -> None:
+    server = world.servers[0]
+    config = world.home / ".ssh" / "config"
+    config.write_text(f"Host node-alias\n  HostName 127.0.0.1\n  Port {server.port}\n  User root\n"
+                      f"  IdentityFile {world.identity}\n")
+    cluster = Cluster(short_root, nodes=1, ssh=[["host: node-alias"]], base_env=world.env(),
+                      defaults=[f"workdir: {short_root / 'node root'}"])
+    try:
+        result = cluster.cli("check")
+        assert "ready to run a worker" in result.stderr
+    finally:
+        config.unlink()
+
+
+def test_direct_transport_is_opt_in_and_warns(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=1, extra={0: ["transport: direct"]})
+    try:
+        result = cluster.cli("up")
+        assert f"transport: direct exposes the worker's unauthenticated RPC port on 127.0.0.1:{cluster.ports[0]}" \
+            in result.stderr
+        coordinator = cluster.status()["coordinator"]["pid"]
+        args = Path(f"/proc/{coordinator}/cmdline").read_text()
+        assert f"127.0.0.1:{cluster.ports[0]}" in args  # no tunnel: the worker's own port
+        assert cluster.cli("run", PROMPT, "-n", "4").returncode == 0
+    finally:
+        cluster.cli("down", check=False)
