@@ -198,7 +198,7 @@ def run(
                 sys.stdout.write(event["text"])
                 sys.stdout.flush()
             elif kind == "notice":
-                err.print(f"\n[yellow]notice:[/yellow] {event['message']}", highlight=False)
+                err.print(f"\n[yellow]notice:[/yellow] {event['message']}", highlight=False, soft_wrap=True)
             elif kind == "error":
                 raise ClusterError(str(event.get("message")))
             elif kind == "done":

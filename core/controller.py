@@ -337,6 +337,64 @@ class Controller:
                 raise WorkerError(f"workers not ready after {timeout:g}s: {waiting}")
             await self.wait_change(0.5)
 
+    async def _verified_nodes(self) -> list[NodeRuntime]:
+        """Ready nodes whose workers answer HELLO right now (the coordinator aborts on one that does not)."""
+        while True:
+            usable = await self._wait_nodes(READY_TIMEOUT_S)
+            answers = await asyncio.gather(*(self._verify(runtime) for runtime in usable))
+            if all(answers):
+                return usable
+
+    async def _verify(self, runtime: NodeRuntime) -> bool:
+        if runtime.endpoint is None or runtime.spec is None:
+            return False
+        try:
+            await probe_worker(*runtime.endpoint, timeout=3.0, client=self.launch.protocol)
+            return True
+        except WorkerError as exc:
+            self._fail_node(runtime, str(exc))
+            return False
+        except ClusterError as exc:
+            runtime.ready.clear()
+            supervisor = await worker.running_supervisor(runtime.remote, runtime.spec)
+            if supervisor is None:
+                self._fail_node(runtime, f"its worker and supervisor are gone ({exc})")
+                return False
+            runtime.status.state = NodeState.RESTARTING
+            self.record("worker-hung", f"worker does not answer ({exc}); killing it for its supervisor to "
+                        "restart", runtime.node.name)
+            await self._kill_worker(runtime)
+            return False
+
+    async def _kill_worker(self, runtime: NodeRuntime) -> None:
+        if runtime.spec is not None:
+            pid_file = shell_command([f"{runtime.spec.workdir}/worker.pid"])
+            await runtime.remote.run(f"kill -KILL $(cat {pid_file} 2>/dev/null) 2>/dev/null; true")
+
+    async def _stopped_workers(self) -> list[NodeRuntime]:
+        """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
+        stuck = []
+        for runtime in self.nodes.values():
+            if self.plan is None or runtime.node.name not in self.plan.nodes or runtime.status.pid is None:
+                continue
+            state = await runtime.remote.run(f"ps -o stat= -p {int(runtime.status.pid)}")
+            if state.stdout.strip().startswith("T"):
+                stuck.append(runtime)
+        return stuck
+
+    async def _watchdog_fired(self, generated: int) -> str:
+        """No progress within the bound: kill what is stuck, restart the coordinator; returns the cause."""
+        bound = self.inventory.watchdog
+        stuck = await self._stopped_workers()
+        names = ", ".join(runtime.node.name for runtime in stuck)
+        cause = f"watchdog: no progress for {bound}s after {generated} tokens" + (
+            f"; worker {names} is stopped" if stuck else "; no stopped worker found")
+        self.record("watchdog", f"{cause}; killing {'it' if stuck else 'the coordinator'} and recovering")
+        for runtime in stuck:
+            await self._kill_worker(runtime)
+        await self._kill_coordinator()
+        return cause
+
     def make_plan(self, usable: list[NodeRuntime]) -> Plan:
         """Memory-proportional plan over the usable nodes, applied to their statuses."""
         capacities = [NodeCapacity(r.node.name, r.status.mem_free, r.node.memory) for r in usable]
@@ -355,7 +413,7 @@ class Controller:
 
         self.coordinator.state = CoordinatorState.LOADING
         self.notify()
-        usable = await self._wait_nodes(READY_TIMEOUT_S)
+        usable = await self._verified_nodes()
         plan = self.make_plan(usable)
         endpoints = []
         for name in plan.nodes:
@@ -370,14 +428,15 @@ class Controller:
         self.record("plan", f"{plan.strategy} split {list(plan.tensor_split)}: {layout}")
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:
+            # ggml's abort handler attaches gdb and prints a backtrace on stdout, our protocol channel.
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "core.coordinator", config.to_json(),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                cwd=str(Path(__file__).resolve().parent.parent))
+                cwd=str(Path(__file__).resolve().parent.parent), env={**os.environ, "GGML_NO_BACKTRACE": "1"})
         self.coordinator.pid = self._process.pid
-        self._messages = asyncio.Queue()
-        self._spawn(self._read_coordinator(self._process))
-        message = await self._messages.get()
+        messages = self._messages = asyncio.Queue()
+        self._spawn(self._read_coordinator(self._process, messages))
+        message = await messages.get()
         if message.get("event") != "ready":
             self.coordinator.state = CoordinatorState.FAILED
             reason = message.get("message") or f"exited with code {message.get('code')}"
@@ -399,16 +458,18 @@ class Controller:
         if seen and [seen.get(layer) for layer in range(len(expected))] != expected:
             self.record("plan-mismatch", f"llama.cpp placed layers as {seen}, the plan expected {expected}")
 
-    async def _read_coordinator(self, process: asyncio.subprocess.Process) -> None:
+    async def _read_coordinator(self, process: asyncio.subprocess.Process,
+                                messages: asyncio.Queue[dict[str, Any]]) -> None:
+        """Pass one coordinator's lines to its own queue (a later coordinator has another)."""
         if process.stdout is None:
             return
         async for raw in process.stdout:
             try:
-                self._messages.put_nowait(json.loads(raw))
+                messages.put_nowait(json.loads(raw))
             except json.JSONDecodeError:
                 log.warning("coordinator wrote a non-JSON line: %r", raw[:200])
         code = await process.wait()
-        self._messages.put_nowait({"event": "exit", "code": code})
+        messages.put_nowait({"event": "exit", "code": code})
         if process is self._process:
             self._process = None
             self._coordinator_ready.clear()
@@ -479,7 +540,7 @@ class Controller:
                     message["prompt"] = str(request.get("prompt", ""))
                 else:
                     message["prompt_tokens"] = prompt_tokens
-                process = self._process
+                process, messages = self._process, self._messages
                 if process is None or process.stdin is None:
                     continue
                 self.coordinator.state = CoordinatorState.GENERATING
@@ -488,11 +549,18 @@ class Controller:
                 with contextlib.suppress(ConnectionError):
                     await process.stdin.drain()
                 while True:
-                    answer = await self._messages.get()
+                    try:
+                        answer = await asyncio.wait_for(messages.get(), self.inventory.watchdog)
+                    except TimeoutError:
+                        cause = await self._watchdog_fired(len(generated))
+                        recoveries.append({"at_token": len(generated), "time": time.time(), "cause": cause})
+                        await _drain_until_exit(messages)
+                        break
                     kind = answer.get("event")
                     if kind == "exit":
                         recoveries.append({"at_token": len(generated), "time": time.time(),
-                                           "cause": f"coordinator exited with {answer.get('code')}"})
+                                           "cause": f"coordinator exited with {answer.get('code')} after "
+                                                    f"{len(generated)} tokens"})
                         break
                     if answer.get("id") != rid:
                         continue
@@ -526,8 +594,7 @@ class Controller:
                 if len(recoveries) > MAX_RECOVERIES:
                     raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; "
                                        f"last: {recoveries[-1]['cause']}")
-                await send({"event": "notice", "message": f"recovering: {recoveries[-1]['cause']} after "
-                            f"{len(generated)} tokens; resuming"})
+                await send({"event": "notice", "message": f"recovering: {recoveries[-1]['cause']}; resuming"})
 
     def _set_ready(self) -> None:
         if self._process is not None:
@@ -538,7 +605,10 @@ class Controller:
         deadline = time.monotonic() + RECOVERY_TIMEOUT_S
         while not self._coordinator_ready.is_set():
             if self.coordinator.state == CoordinatorState.FAILED:
-                raise RequestError(f"the cluster cannot serve: {self.coordinator.last_error}")
+                failed = "; ".join(f"{r.node.name} failed: {r.status.last_error}" for r in self.nodes.values()
+                                   if r.status.state == NodeState.FAILED)
+                raise RequestError(f"the cluster cannot serve ({failed or 'no node failed'}): "
+                                   f"{self.coordinator.last_error}")
             if time.monotonic() > deadline:
                 raise RequestError(f"the cluster did not recover within {RECOVERY_TIMEOUT_S:g}s "
                                    f"({self.coordinator.last_error or 'coordinator not ready'})")
@@ -571,6 +641,13 @@ class Controller:
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()
+
+
+async def _drain_until_exit(messages: asyncio.Queue[dict[str, Any]]) -> None:
+    """Skip what a killed coordinator still said, up to its exit."""
+    with contextlib.suppress(TimeoutError):
+        while (await asyncio.wait_for(messages.get(), 10)).get("event") != "exit":
+            pass
 
 
 def parse_layer_devices(log_text: str) -> dict[int, int]:

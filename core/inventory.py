@@ -135,6 +135,8 @@ class Inventory(_Frozen):
     cluster: Name
     model: str | None = None
     context: Annotated[int, Field(ge=64, le=1 << 20, strict=True)] = 2048
+    # Seconds a request may go without progress before a worker counts as hung.
+    watchdog: Annotated[int, Field(ge=1, le=3600, strict=True)] = 60
     api: Api = Field(default_factory=Api)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     nodes: tuple[Node, ...]

@@ -113,4 +113,4 @@ def plan_memory(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) 
 
 
 def _mib(size: int) -> str:
-    return f"{size / (1 << 20):.0f} MiB"
+    return f"{size / (1 << 20):.1f} MiB"

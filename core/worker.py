@@ -137,11 +137,16 @@ def event_path(spec: WorkerSpec) -> str:
     return f"{spec.workdir}/events.jsonl"
 
 
+# `alive PID`: running and not a zombie (a killed process whose parent has not reaped it still answers
+# kill -0; where PID 1 does not reap, that lasts forever).
+ALIVE = 'alive() { s=$(ps -o stat= -p "$1" 2>/dev/null) && [ -n "$s" ] && case "$s" in Z*) false;; esac; }; '
+
+
 async def running_supervisor(remote: Remote, spec: WorkerSpec) -> tuple[int, str] | None:
     """The live supervisor's pid and the worker command it runs, or None."""
     workdir = shell_command([spec.workdir])
     result = await remote.run(
-        f"cd {workdir} 2>/dev/null && pid=$(cat supervisor.pid 2>/dev/null) && kill -0 \"$pid\" 2>/dev/null "
+        f"{ALIVE}cd {workdir} 2>/dev/null && pid=$(cat supervisor.pid 2>/dev/null) && alive \"$pid\" "
         "&& echo \"$pid\" && cat command")
     lines = result.stdout.splitlines()
     if result.code != 0 or not lines or not lines[0].isdigit():
@@ -181,12 +186,12 @@ async def stop(remote: Remote, spec: WorkerSpec, timeout: float = 10.0) -> None:
     """Stop the supervisor and its worker; kill them if they do not stop within ``timeout``."""
     workdir = shell_command([spec.workdir])
     script = (
-        f"cd {workdir} 2>/dev/null || exit 0; "
+        f"{ALIVE}cd {workdir} 2>/dev/null || exit 0; "
         "sup=$(cat supervisor.pid 2>/dev/null); wrk=$(cat worker.pid 2>/dev/null); "
         "[ -n \"$sup\" ] && kill -TERM \"$sup\" 2>/dev/null; "
         f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
-        "  alive=0; for p in $sup $wrk; do kill -0 \"$p\" 2>/dev/null && alive=1; done; "
-        "  [ $alive = 0 ] && break; sleep 0.1; i=$((i+1)); done; "
+        "  busy=0; for p in $sup $wrk; do alive \"$p\" && busy=1; done; "
+        "  [ $busy = 0 ] && break; sleep 0.1; i=$((i+1)); done; "
         "for p in $sup $wrk; do kill -KILL \"$p\" 2>/dev/null; done; "
         "rm -f supervisor.pid worker.pid; exit 0"
     )
