@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import CLI, free_port
+from tests.harness import CLI, free_port
 from tests.sshd import SshWorld
 
 SIZES = (1, 2, 4, 8)

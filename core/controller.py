@@ -571,6 +571,10 @@ class Controller:
                         texts.append(answer["text"])
                         if first_token_s is None:
                             first_token_s = time.perf_counter() - started
+                        if recoveries and "first_token_after_s" not in recoveries[-1]:
+                            recoveries[-1]["first_token_after_s"] = time.time() - recoveries[-1]["time"]
+                            self.record("recovered", f"request resumed at token {recoveries[-1]['at_token']}, "
+                                        f"{recoveries[-1]['first_token_after_s']:.2f}s after the fault was seen")
                         await send({"event": "token", "text": answer["text"]})
                     elif kind == "error":
                         self._set_ready()

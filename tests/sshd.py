@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import free_port, listening
+from tests.harness import free_port, listening
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 

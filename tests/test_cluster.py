@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import CLI, FIXTURES, Cluster, alive, listening
+from tests.harness import CLI, FIXTURES, Cluster, alive, listening
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cluster
+from tests.harness import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

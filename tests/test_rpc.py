@@ -13,7 +13,7 @@ import pytest
 from core import rpc
 from core.build import worker_binary
 from core.errors import ConnectError, WorkerError
-from tests.conftest import free_port, listening
+from tests.harness import free_port, listening
 
 
 def test_request_frame_layout() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cluster, free_port
+from tests.harness import Cluster, free_port
 from tests.sshd import SSHD, SshWorld, keygen
 from tests.test_cluster import PROMPT, single_process
 
@@ -258,3 +258,24 @@ def test_direct_transport_is_opt_in_and_warns(world: SshWorld, short_root: Path)
         assert cluster.cli("run", PROMPT, "-n", "4").returncode == 0
     finally:
         cluster.cli("down", check=False)
+
+
+def test_killed_worker_on_an_ssh_node_resumes_with_identical_text(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=2)
+    try:
+        cluster.cli("up")
+        expected = json.loads(cluster.cli("run", PROMPT, "-n", "480", "--json").stdout)["text"]
+        victim = cluster.worker_pid("n1")
+        run = cluster.popen("run", PROMPT, "-n", "480")
+        assert run.stdout is not None
+        head = run.stdout.read(40)
+        os.kill(victim, signal.SIGKILL)
+        rest, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr
+        assert head + rest == expected + "\n"
+        assert "recovering:" in stderr
+        events = [event["kind"] for event in cluster.status()["events"]]
+        assert "worker-exit" in events and "recovered" in events
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []

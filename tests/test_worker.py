@@ -13,7 +13,7 @@ import pytest
 
 from core import worker
 from core.remote import LocalRemote
-from tests.conftest import FIXTURES, alive
+from tests.harness import FIXTURES, alive
 
 
 def fixture(name: str) -> str:

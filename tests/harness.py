@@ -1,0 +1,100 @@
+"""Test helpers: free ports, process checks, and a real cluster driven through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+CLI = str(Path(sys.executable).with_name("ggml-cluster"))
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Cluster:
+    """A real cluster driven through the `ggml-cluster` command."""
+
+    def __init__(self, root: Path, nodes: int, context: int = 512, extra: dict[int, list[str]] | None = None,
+                 ssh: list[list[str]] | None = None, base_env: dict[str, str] | None = None,
+                 defaults: list[str] | None = None, top: list[str] | None = None) -> None:
+        """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines."""
+        self.root = root
+        self.state = root / "state"
+        self.ports = [free_port() for _ in range(nodes)]
+        self.inventory = root / "inventory.yaml"
+        self.base_env = base_env or dict(os.environ)
+        lines = [f"cluster: test{os.getpid()}", f"context: {context}", *(top or [])]
+        if defaults:
+            lines += ["defaults:", *(f"  {line}" for line in defaults)]
+        lines.append("nodes:")
+        for index, port in enumerate(self.ports):
+            where = [f"    {line}" for line in ssh[index]] if ssh else ["    kind: local"]
+            lines += [f"  - name: n{index}", *where, f"    rpc_port: {port}", "    threads: 1"]
+            lines += [f"    {line}" for line in (extra or {}).get(index, [])]
+        self.inventory.write_text("\n".join(lines) + "\n")
+
+    def env(self) -> dict[str, str]:
+        return {**self.base_env, "GGML_CLUSTER_STATE_DIR": str(self.state)}
+
+    def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([CLI, "-i", str(self.inventory), *args], capture_output=True, text=True,
+                                env=self.env(), timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"ggml-cluster {' '.join(args)} exited {result.returncode}:\n"
+                                 f"{result.stdout}\n{result.stderr}")
+        return result
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([CLI, "-i", str(self.inventory), *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=self.env())
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    def worker_dir(self, node: str) -> Path:
+        """A local node's folder, or an ssh node's under the inventory's ``workdir`` default."""
+        local = self.state / "nodes" / node
+        return local if local.exists() else next(self.root.glob(f"**/test{os.getpid()}/{node}"))
+
+    def worker_pid(self, node: str) -> int:
+        return int((self.worker_dir(node) / "worker.pid").read_text())
+
+    def supervisor_pid(self, node: str) -> int:
+        return int((self.worker_dir(node) / "supervisor.pid").read_text())
+
+    def processes(self) -> list[int]:
+        """Every live process that belongs to this cluster (controller, coordinator, supervisors, workers)."""
+        result = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True)
+        mine = []
+        for line in result.stdout.splitlines():
+            pid, _, args = line.strip().partition(" ")
+            ours = str(self.root) in args or any(
+                f"-p {port} " in args + " " or f"127.0.0.1:{port}" in args for port in self.ports)
+            if ours and int(pid) != os.getpid() and alive(int(pid)):
+                mine.append(int(pid))
+        return mine
