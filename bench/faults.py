@@ -112,9 +112,14 @@ def main() -> None:
             supervised.append(supervised_rate(cluster, args.tokens))
             cluster.cli("down")
             bare.append(bare_rate(model, cluster.ports, args.tokens, 512))
-        cluster.cli("up")
-        kill = [asyncio.run(recovery_time(cluster, "kill", args.tokens)) for _ in range(args.rounds)]
-        hang = [asyncio.run(recovery_time(cluster, "stop", args.tokens)) for _ in range(args.rounds)]
+        kill: list[float] = []
+        hang: list[float] = []
+        for _ in range(args.rounds):
+            # A fresh cluster for each fault: repeated faults lengthen the supervisor's backoff.
+            for fault, times in (("kill", kill), ("stop", hang)):
+                cluster.cli("up")
+                times.append(asyncio.run(recovery_time(cluster, fault, args.tokens)))
+                cluster.cli("down")
     finally:
         cluster.cli("down", check=False)
         shutil.rmtree(root, ignore_errors=True)

@@ -226,6 +226,7 @@ class Controller:
         status.backend = deployment.backend
         status.detail = f"{deployment.reason}; worker {deployment.how}"
         status.progress = None
+        status.last_status = ""  # it held deployment progress
         self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
         return worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(self.inventory, node, remote),
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,

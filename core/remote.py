@@ -120,14 +120,7 @@ class LocalRemote:
                 yield raw.decode(errors="replace").rstrip("\n")
         finally:
             self._followers.discard(process)
-            if process.returncode is None:
-                if process.stdin is not None:
-                    process.stdin.close()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.wait(), 2)
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+            await _end_follower(process)
 
     async def upload(self, source: Path, destination: str, mode: int = 0o644) -> None:
         """Copy a local file into place atomically."""
@@ -163,13 +156,18 @@ class LocalRemote:
     async def close(self) -> None:
         """Stop any command still being followed."""
         for process in list(self._followers):
-            if process.returncode is None and process.stdin is not None:
-                process.stdin.close()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), 2)
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+            await _end_follower(process)
+
+
+async def _end_follower(process: asyncio.subprocess.Process) -> None:
+    """Close its stdin (its watcher then stops the command); kill it if that takes too long."""
+    if process.returncode is None and process.stdin is not None:
+        process.stdin.close()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(process.wait(), 2)
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
 
 
 class SshRemote:
