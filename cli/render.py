@@ -85,12 +85,12 @@ def header(status: ClusterStatus, now: float) -> Text:
 def node_table(status: ClusterStatus) -> Table:
     """One row per node."""
     table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
-    for column in ("NODE", "ENDPOINT", "BACKEND", "STATE", "LAYERS", "MEM FREE/TOTAL", "RESTARTS"):
+    for column in ("NODE", "HOST", "BACKEND", "STATE", "LAYERS", "MEM FREE/TOTAL", "RESTARTS"):
         table.add_column(column, no_wrap=True)
     table.add_column("LAST STATUS", overflow="fold", min_width=12)
     for node in status.nodes:
         table.add_row(
-            node.name, f"{node.host}:{node.rpc_port}", f"{node.arch or '?'}/{node.backend or '?'}",
+            node.name, node.host, f"{node.arch or '?'}/{node.backend or '?'}",
             Text(str(node.state), style=STATE_STYLE[node.state]), layers(node), memory(node), str(node.restarts),
             node.last_error or node.last_status or "ok")
     return table

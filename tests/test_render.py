@@ -33,10 +33,10 @@ def test_status_view_exact_text() -> None:
     lines = text.splitlines()
     assert lines[0].rstrip() == "lab  model demo.gguf  coordinator ready (restarts 1)  up 2m05s"
     assert [line.rstrip() for line in lines[1:5]] == [
-        "NODE ENDPOINT        BACKEND    STATE      LAYERS MEM FREE/TOTAL RESTARTS LAST STATUS",
-        "a    localhost:50152 x86_64/cpu ready      0-4    20.0/24.0 GiB  0        ok",
-        "b    localhost:50153 x86_64/cpu restarting 5-7    24.0/24.0 GiB  2        killed by SIGKILL",
-        "c    localhost:50154 x86_64/cpu failed     -      -              5        crash loop: exit code 1",
+        "NODE HOST      BACKEND    STATE      LAYERS MEM FREE/TOTAL RESTARTS LAST STATUS",
+        "a    localhost x86_64/cpu ready      0-4    20.0/24.0 GiB  0        ok",
+        "b    localhost x86_64/cpu restarting 5-7    24.0/24.0 GiB  2        killed by SIGKILL",
+        "c    localhost x86_64/cpu failed     -      -              5        crash loop: exit code 1",
     ]
     assert lines[5] == "events"
     assert lines[6].endswith("[b] worker-exit: worker exited after 3s: killed by SIGKILL")
@@ -45,7 +45,7 @@ def test_status_view_exact_text() -> None:
 def test_status_view_fits_80_columns() -> None:
     text = to_text(status_view(snapshot(), now=T0), width=80)
     assert all(len(line) <= 80 for line in text.splitlines())
-    for expected in ("a ", "restarting", "failed", "5-7"):
+    for expected in ("a ", "restarting", "failed", "5-7", "LAST STATUS", "killed by SIGKILL"):
         assert expected in text
 
 
