@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from cli import dashboard
-from cli.render import check_table, deploy_table, run_summary, status_view, to_text
+from cli.render import check_table, deploy_table, plan_table, run_summary, status_view, to_text
 from core import client
 from core.errors import ClusterError
 from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
@@ -232,6 +232,23 @@ def check(
         err.print(f"{len(bad)} of {len(rows)} nodes have problems: {', '.join(bad)}")
         raise typer.Exit(1)
     err.print(f"all {len(rows)} nodes are ready to run a worker")
+
+
+@app.command()
+def plan(
+    strategy: Annotated[str, typer.Option(help="memory (llama.cpp's default) or equal.")] = "memory",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Show the layer plan for the running cluster and why each node got its part (changes nothing)."""
+    if strategy not in client.STRATEGIES:
+        err.print(f"[red]error:[/red] --strategy {strategy}: use one of {', '.join(client.STRATEGIES)}")
+        raise typer.Exit(2)
+    result, rows = _execute(client.explain_plan(_inventory(), strategy))
+    if as_json:
+        sys.stdout.write(json.dumps({**result.to_dict(), "rows": [row.to_dict() for row in rows]}, indent=2) + "\n")
+    else:
+        out.print(plan_table(rows))
+        err.print(f"strategy {result.strategy}: tensor_split {list(result.tensor_split)}", highlight=False)
 
 
 @app.command()

@@ -10,7 +10,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from core.client import NodeCheck
+from core.client import NodeCheck, PlanRow
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 STATE_STYLE = {
@@ -143,6 +143,19 @@ def check_table(rows: list[NodeCheck]) -> Table:
         last = Text(row.problem, style="bold red") if row.problem else Text(f"{row.hardware}; {row.reason}")
         table.add_row(row.name, row.host, row.system or "-", row.backend or "-", row.worker or "-",
                       row.port or "-", last)
+    return table
+
+
+def plan_table(rows: list[PlanRow]) -> Table:
+    """`plan`: per node, the layers it would hold, the memory that takes, and why."""
+    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
+    for column in ("NODE", "LAYERS", "SPLIT", "NEEDS/USABLE"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("WHY", overflow="fold")
+    for row in rows:
+        layers = "-" if row.layers is None else (
+            f"{row.layers[0]}-{row.layers[1]}" if row.layers[0] != row.layers[1] else str(row.layers[0]))
+        table.add_row(row.name, layers, f"{row.share:.3f}", f"{size(row.needs)}/{size(row.usable)}", row.why)
     return table
 
 

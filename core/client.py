@@ -29,7 +29,8 @@ from core.build import (
 from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, node_spec, ssh_worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError
 from core.inventory import Inventory, Node, parse_inventory
-from core.model import demo_model, read_model
+from core.model import ModelFacts, demo_model, read_model
+from core.planner import NodeCapacity, Plan, plan_equal, plan_memory
 from core.probe import PROBE_COMMAND, parse_node
 from core.remote import LocalRemote, Remote, SshRemote
 from core.state import StateDir, fingerprint, process_alive, state_path
@@ -334,3 +335,63 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
 
 def _local_build_exists() -> bool:
     return (cache_dir() / "bin" / build_key(pinned_version(), "cpu") / TARGET).is_file()
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One node in `plan`: what it would hold and why."""
+
+    name: str
+    layers: tuple[int, int] | None
+    share: float
+    needs: int
+    usable: int
+    why: str
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain dict for JSON."""
+        data = dict(vars(self))
+        data["layers"] = list(self.layers) if self.layers else None
+        return data
+
+
+STRATEGIES = ("memory", "equal")
+
+
+def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str
+              ) -> tuple[Plan, list[PlanRow]]:
+    """The layer plan a strategy gives on the cluster's measured free memory, and why each node got its part."""
+    caps = {node.name: node.memory for node in inventory.nodes}
+    usable = [node for node in snapshot.nodes if node.state != NodeState.FAILED and node.mem_total]
+    capacities = [NodeCapacity(node.name, node.mem_free, caps.get(node.name)) for node in usable]
+    planner = plan_memory if strategy == "memory" else plan_equal
+    plan = planner(model, capacities, inventory.context)
+    rows = []
+    for node in snapshot.nodes:
+        if node not in usable:
+            reason = f"left out: {node.last_error or node.state}"
+            rows.append(PlanRow(node.name, None, 0.0, 0, 0, reason))
+            continue
+        index = plan.nodes.index(node.name)
+        layers = plan.layers[index]
+        share = plan.tensor_split[index]
+        rule = "its share of usable memory" if strategy == "memory" else "an equal share"
+        if layers is None:
+            why = f"no layers: {rule} ({share:.1%}) is less than one of {model.n_layers + 1} slots"
+        else:
+            count = layers[1] - layers[0] + 1
+            why = f"{count} of {model.n_layers} layers: {rule} ({share:.1%})"
+        rows.append(PlanRow(node.name, layers, share, plan.bytes_needed[index], capacities[index].usable, why))
+    return plan, rows
+
+
+async def explain_plan(inventory: Inventory, strategy: str) -> tuple[Plan, list[PlanRow]]:
+    """`plan`: the running cluster's measured memory, planned with ``strategy`` (nothing changes)."""
+    state = state_for(inventory)
+    try:
+        snapshot = await status(state)
+    except ConnectError:
+        raise ConnectError(f"cluster '{inventory.cluster}' is not running; `plan` uses its workers' measured "
+                           "free memory", "fix: run `ggml-cluster up` first") from None
+    model = read_model(Path(json.loads(state.launch.read_text())["model"]))
+    return plan_rows(snapshot, inventory, model, strategy)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,8 +88,21 @@ def plan_memory(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) 
     if usable.sum() <= 0:
         raise PlanError("no node has free memory for the model",
                         "fix: free memory on the nodes or raise their 'memory:' caps")
+    return plan_split(model, nodes, usable / usable.sum(), context, "memory")
+
+
+def plan_equal(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) -> Plan:
+    """The same share of layers for every node, whatever its memory or speed."""
+    if not nodes:
+        raise PlanError("no worker is available to hold the model")
+    return plan_split(model, nodes, np.full(len(nodes), 1.0 / len(nodes)), context, "equal")
+
+
+def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndarray, context: int,
+               strategy: str) -> Plan:
+    """The plan a given split produces in llama.cpp, checked against each node's usable memory."""
     # Round before assigning, so the ranges shown are those of the split llama.cpp actually receives.
-    split = tuple(round(float(value), 6) for value in usable / usable.sum())
+    split = tuple(round(float(value), 6) for value in shares)
     assignment = assign_layers(split, model.n_layers)
     ranges = layer_ranges(assignment, len(nodes), model.n_layers)
     needed = [0] * len(nodes)
@@ -108,9 +123,97 @@ def plan_memory(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) 
         tensor_split=split,
         layers=tuple(ranges),
         bytes_needed=tuple(needed),
-        strategy="memory",
+        strategy=strategy,
     )
 
 
 def _mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class NodeSpeed:
+    """A node's cost model for one model: ``fixed_s`` if it holds any layer, plus ``per_layer_s`` each."""
+
+    fixed_s: float
+    per_layer_s: float
+
+
+def split_for_counts(counts: Sequence[int]) -> tuple[float, ...]:
+    """The tensor_split that makes llama.cpp give device i exactly ``counts[i]`` repeating layers.
+
+    The output slot (index sum(counts)) goes to the last device that holds layers. Each cumulative split
+    point sits half a slot past that device's last slot, so float32 rounding cannot move a boundary.
+    """
+    n_layers = sum(counts)
+    slots = n_layers + 1
+    last = max(index for index, count in enumerate(counts) if count > 0)
+    ends, end = [], 0
+    for index, count in enumerate(counts):
+        end += count + (1 if index == last else 0)
+        ends.append(end)
+    points = [(value - 0.5) / slots if value > 0 else 0.0 for value in ends]
+    points[-1] = 1.0
+    shares = [points[0], *(later - earlier for earlier, later in itertools.pairwise(points))]
+    return tuple(max(0.0, round(share, 9)) for share in shares)
+
+
+def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Sequence[NodeSpeed], context: int,
+                 objective: str = "latency") -> Plan:
+    """Exact dynamic programme over contiguous layer ranges, in node order.
+
+    ``latency`` minimises the predicted time per token, a sum over the nodes used (decode is sequential
+    through the pipeline); ``throughput`` minimises the slowest node's share (the pipeline's bottleneck).
+    Nodes may be left without layers. Raises PlanError when no placement fits the memory caps.
+    """
+    if objective not in ("latency", "throughput"):
+        raise PlanError(f"unknown objective {objective!r}", "fix: use latency or throughput")
+    n, layers = len(nodes), model.n_layers
+    if n == 0:
+        raise PlanError("no worker is available to hold the model")
+    per_layer = np.array([size + model.kv_bytes(context) for size in model.layer_bytes], dtype=np.int64)
+    prefix = np.concatenate(([0], np.cumsum(per_layer)))
+    combine: Callable[[float, float], float] = operator.add if objective == "latency" else max
+    # best[i][l]: the least cost placing the first l layers on the first i nodes; the output layer is
+    # charged to the node that takes the model's last layer.
+    best = np.full((n + 1, layers + 1), np.inf)
+    best[0][0] = 0.0
+    choice = np.zeros((n + 1, layers + 1), dtype=np.int64)
+    for i, (node, speed) in enumerate(zip(nodes, speeds, strict=True)):
+        for placed in range(layers + 1):
+            if not np.isfinite(best[i][placed]):
+                continue
+            for take in range(layers - placed + 1):
+                need = int(prefix[placed + take] - prefix[placed])
+                if take and placed + take == layers:
+                    need += model.output_bytes
+                if need > node.usable:
+                    break
+                cost = speed.fixed_s + speed.per_layer_s * take if take else 0.0
+                total = combine(best[i][placed], cost)
+                if total < best[i + 1][placed + take]:
+                    best[i + 1][placed + take] = total
+                    choice[i + 1][placed + take] = take
+    if not np.isfinite(best[n][layers]):
+        total_need = int(prefix[-1]) + model.output_bytes
+        usable = sum(node.usable for node in nodes)
+        raise PlanError(f"the model ({_mib(total_need)} with a {context}-token KV cache) does not fit on "
+                        f"{n} node(s) with {_mib(usable)} usable in all",
+                        "fix: add nodes, lower 'context', or use a smaller quantisation")
+    counts, placed = [0] * n, layers
+    for i in range(n, 0, -1):
+        counts[i - 1] = int(choice[i][placed])
+        placed -= counts[i - 1]
+    split = split_for_counts(counts)
+    ranges = layer_ranges(assign_layers(split, layers), n, layers)
+    needed = [int(prefix[r[1] + 1] - prefix[r[0]]) if r else 0 for r in ranges]
+    last = max(index for index, count in enumerate(counts) if count > 0)
+    needed[last] += model.output_bytes
+    return Plan(nodes=tuple(node.name for node in nodes), tensor_split=split, layers=tuple(ranges),
+                bytes_needed=tuple(needed), strategy=f"compute ({objective})")
+
+
+def predict_seconds(plan: Plan, speeds: Sequence[NodeSpeed]) -> tuple[float, ...]:
+    """Predicted time per token each node adds under ``plan`` (0 for a node without layers)."""
+    return tuple(speed.fixed_s + speed.per_layer_s * (layers[1] - layers[0] + 1) if layers else 0.0
+                 for layers, speed in zip(plan.layers, speeds, strict=True))

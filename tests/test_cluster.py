@@ -52,6 +52,15 @@ def test_up_shows_every_worker_ready_with_its_layers(cluster3: Cluster) -> None:
     assert "n0" in text and "0-2" in text and "6-7" in text
 
 
+def test_plan_shows_the_running_layout_and_why(cluster3: Cluster) -> None:
+    shown = json.loads(cluster3.cli("plan", "--json").stdout)
+    assert [row["layers"] for row in shown["rows"]] == [[0, 2], [3, 5], [6, 7]]
+    assert shown["tensor_split"] == cluster3.status()["tensor_split"]
+    assert all("its share of usable memory" in row["why"] for row in shown["rows"])
+    assert "3 of 8 layers" in cluster3.cli("plan", "--strategy", "equal").stdout
+    assert cluster3.cli("plan", "--strategy", "fastest", check=False).returncode == 2
+
+
 def test_greedy_text_equals_single_process(cluster3: Cluster) -> None:
     result = json.loads(cluster3.cli("run", PROMPT, "-n", "64", "--json").stdout)
     model = json.loads((cluster3.state / "launch.json").read_text())["model"]
@@ -148,7 +157,7 @@ def test_down_after_controller_was_killed_still_stops_workers(short_tmp) -> None
 
 def test_commands_on_a_cluster_that_is_not_up_fail_clearly(short_tmp) -> None:
     cluster = Cluster(short_tmp, nodes=1)
-    for command in (["status", "--once"], ["run", "hi"]):
+    for command in (["status", "--once"], ["run", "hi"], ["plan"]):
         result = cluster.cli(*command, check=False)
         assert result.returncode == 1
         assert result.stderr.strip().count("\n") == 0

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 from pathlib import Path
 
 import pytest
 
 from core.errors import PlanError
 from core.model import ModelFacts
-from core.planner import NodeCapacity, assign_layers, layer_ranges, plan_memory
+from core.planner import (
+    NodeCapacity,
+    NodeSpeed,
+    assign_layers,
+    layer_ranges,
+    plan_compute,
+    plan_memory,
+    predict_seconds,
+    split_for_counts,
+)
 
 GIB = 1 << 30
 
@@ -63,3 +74,85 @@ def test_model_that_does_not_fit_names_the_shortfall() -> None:
 def test_no_nodes() -> None:
     with pytest.raises(PlanError):
         plan_memory(model(), [], 1024)
+
+
+def speeds(*pairs: tuple[float, float]) -> list[NodeSpeed]:
+    return [NodeSpeed(fixed_s=fixed, per_layer_s=per_layer) for fixed, per_layer in pairs]
+
+
+def counts_of(plan) -> list[int]:
+    return [layers[1] - layers[0] + 1 if layers else 0 for layers in plan.layers]
+
+
+def test_split_for_counts_reproduces_any_counts_in_llama_cpp() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        counts = [rng.choice([0, 0, 1, 2, 3, 7, 20]) for _ in range(rng.randint(1, 6))]
+        if not any(counts):
+            continue
+        assignment = assign_layers(split_for_counts(counts), sum(counts))
+        assert [assignment[:-1].count(device) for device in range(len(counts))] == counts
+        assert assignment[-1] == max(i for i, count in enumerate(counts) if count)  # output on the last used
+
+
+def test_speed_bound_puts_everything_on_the_fast_node() -> None:
+    nodes = [NodeCapacity("gpu", 30 * GIB), NodeCapacity("pi", 30 * GIB)]
+    plan = plan_compute(model(), nodes, speeds((0.001, 0.001), (0.001, 0.010)), 1024)
+    assert counts_of(plan) == [8, 0]
+    assert predict_seconds(plan, speeds((0.001, 0.001), (0.001, 0.010))) == pytest.approx((0.009, 0.0))
+
+
+def test_memory_bound_fills_the_fast_node_then_spills() -> None:
+    # The fast node can hold three 100 MiB layers after its 64 MiB reserve; the rest go to the slow one.
+    nodes = [NodeCapacity("gpu", (64 + 330) << 20), NodeCapacity("cpu", 30 * GIB)]
+    plan = plan_compute(model(), nodes, speeds((0.001, 0.001), (0.001, 0.010)), 1024)
+    assert counts_of(plan) == [3, 5]
+
+
+def test_a_node_behind_a_slow_link_gets_nothing() -> None:
+    nodes = [NodeCapacity("a", 30 * GIB), NodeCapacity("far", 30 * GIB)]
+    plan = plan_compute(model(), nodes, speeds((0.001, 0.002), (0.050, 0.001)), 1024)
+    assert counts_of(plan) == [8, 0] and plan.layers[1] is None
+
+
+def test_throughput_objective_balances_the_bottleneck() -> None:
+    nodes = [NodeCapacity("a", 30 * GIB), NodeCapacity("b", 30 * GIB)]
+    plan = plan_compute(model(), nodes, speeds((0.0, 0.001), (0.0, 0.001)), 1024, objective="throughput")
+    assert counts_of(plan) == [4, 4]
+
+
+def test_compute_plan_that_does_not_fit_names_the_shortfall() -> None:
+    nodes = [NodeCapacity("a", 300 << 20), NodeCapacity("b", 300 << 20)]
+    with pytest.raises(PlanError, match=r"does not fit on 2 node\(s\) with .* usable in all"):
+        plan_compute(model(), nodes, speeds((0.0, 0.001), (0.0, 0.001)), 1024)
+
+
+def test_dynamic_programme_matches_brute_force() -> None:
+    rng = random.Random(11)
+    for _ in range(60):
+        n_layers = rng.randint(1, 6)
+        facts = model(n_layers=n_layers, layer_bytes=rng.choice([50, 100, 200]) << 20)
+        n = rng.randint(1, 3)
+        nodes = [NodeCapacity(f"n{i}", (64 << 20) + rng.randint(0, 900) * (1 << 20)) for i in range(n)]
+        cost = speeds(*((rng.uniform(0, 0.02), rng.uniform(0.001, 0.01)) for _ in range(n)))
+        best = None
+        for counts in itertools.product(range(n_layers + 1), repeat=n):
+            if sum(counts) != n_layers:
+                continue
+            start, fits, total = 0, True, 0.0
+            last = max(i for i, count in enumerate(counts) if count)
+            for i, count in enumerate(counts):
+                need = sum(facts.layer_bytes[start:start + count]) + count * facts.kv_bytes(1024)
+                need += facts.output_bytes if i == last else 0
+                fits &= need <= nodes[i].usable
+                total += cost[i].fixed_s + cost[i].per_layer_s * count if count else 0.0
+                start += count
+            if fits and (best is None or total < best - 1e-12):
+                best = total
+        if best is None:
+            with pytest.raises(PlanError):
+                plan_compute(facts, nodes, cost, 1024)
+        else:
+            plan = plan_compute(facts, nodes, cost, 1024)
+            assert sum(predict_seconds(plan, cost)) == pytest.approx(best)
+            assert all(need <= node.usable for need, node in zip(plan.bytes_needed, nodes, strict=True))
