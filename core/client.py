@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -105,9 +107,27 @@ async def bring_up(inventory: Inventory, on_status: Callable[[ClusterStatus], No
                    on_build: Progress, require_all: bool = False) -> UpResult:
     """Start the cluster (or find it already running with the same configuration) and wait until ready.
 
-    A node that fails is left out when the rest can hold the model, unless ``require_all``.
+    A node that fails is left out when the rest can hold the model, unless ``require_all``. Two `up`s of
+    one cluster at once take turns: the second waits, then finds the cluster up.
     """
     state = state_for(inventory).create()
+    async with _exclusive(state.root / "up.lock", on_build):
+        return await _bring_up(inventory, state, on_status, on_build, require_all)
+
+
+@asynccontextmanager
+async def _exclusive(path: Path, on_wait: Progress) -> AsyncIterator[None]:
+    with path.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait("waiting for another `ggml-cluster up` of this cluster to finish", None)
+            await asyncio.to_thread(fcntl.flock, handle, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[ClusterStatus], None],
+                    on_build: Progress, require_all: bool) -> UpResult:
     model = inventory.model_path
     if model is None:
         model = demo_model(cache_dir())

@@ -273,6 +273,9 @@ class Controller:
             status.last_status = cause
             status.last_error = cause
             self.record("worker-exit", f"worker exited after {event.ran_s}s: {cause}", name)
+            if not self._request_lock.locked():
+                # Idle, the coordinator would only find out on the next request; reconnect it now.
+                self._spawn(self._replan_after_loss(name))
         elif event.kind == "backoff":
             self.record("worker-restart", f"restarting the worker in {event.seconds}s", name)
         elif event.kind == "failed":
@@ -507,8 +510,9 @@ class Controller:
             self.record("coordinator-failed", f"could not restart within {RECOVERY_TIMEOUT_S:g}s")
 
     async def _replan_after_loss(self, name: str) -> None:
-        """A node failed for good: if the coordinator still uses it, restart on the survivors."""
+        """The coordinator's connection to ``name`` is gone: restart it (on the survivors if ``name`` failed)."""
         if self.plan is not None and name in self.plan.nodes and self._process is not None:
+            self.record("coordinator-restart", f"its connection to {name} is gone; restarting it")
             await self._kill_coordinator()
 
     async def _kill_coordinator(self) -> None:
@@ -576,7 +580,11 @@ class Controller:
                             recoveries[-1]["first_token_after_s"] = time.time() - recoveries[-1]["time"]
                             self.record("recovered", f"request resumed at token {recoveries[-1]['at_token']}, "
                                         f"{recoveries[-1]['first_token_after_s']:.2f}s after the fault was seen")
-                        await send({"event": "token", "text": answer["text"]})
+                        try:
+                            await send({"event": "token", "text": answer["text"]})
+                        except ConnectionError:
+                            await self._cancel(process, messages, rid)
+                            raise
                     elif kind == "error":
                         self._set_ready()
                         raise RequestError(str(answer.get("message")))
@@ -600,6 +608,22 @@ class Controller:
                     raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; "
                                        f"last: {recoveries[-1]['cause']}")
                 await send({"event": "notice", "message": f"recovering: {recoveries[-1]['cause']}; resuming"})
+
+    async def _cancel(self, process: asyncio.subprocess.Process, messages: asyncio.Queue[dict[str, Any]],
+                      rid: int) -> None:
+        """The client went away: stop its request and wait until the coordinator is free again."""
+        self.record("cancelled", f"client disconnected; cancelling request {rid}")
+        if process.stdin is not None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                process.stdin.write((json.dumps({"op": "cancel", "id": rid}) + "\n").encode())
+                await process.stdin.drain()
+        with contextlib.suppress(TimeoutError):
+            while True:
+                answer = await asyncio.wait_for(messages.get(), self.inventory.watchdog)
+                if answer.get("event") == "exit" or (answer.get("id") == rid and answer.get("event") in (
+                        "done", "error")):
+                    break
+        self._set_ready()
 
     def _set_ready(self) -> None:
         if self._process is not None:

@@ -8,6 +8,8 @@ and only this process dies with it. Protocol, JSON lines:
   "seed", "replay": [token, ...]}``
 - answers (stdout): ``{"id", "event": "prompt", "tokens"}``, one ``{"id", "event": "token", "token",
   "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
+- ``{"op": "cancel", "id"}`` ends that request after the token in progress (``done`` with reason
+  ``cancelled``); ``{"op": "shutdown"}`` exits.
 
 ``replay`` holds tokens generated before a restart: the prompt is evaluated as one batch and each
 replayed token one at a time, exactly as first decoded, so the KV cache and the output are bit-identical.
@@ -19,7 +21,9 @@ import argparse
 import codecs
 import ctypes
 import json
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +103,7 @@ class Generator:
     def __init__(self, config: CoordinatorConfig) -> None:
         import llama_cpp
 
+        self.cancelled: set[object] = set()  # request ids; written by the stdin reader thread
         self._lib = llama_cpp
         self.llm = llama_cpp.Llama(
             model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
@@ -140,6 +145,9 @@ class Generator:
         prompt_done = time.perf_counter()
         generated, reason = 0, "length"
         while generated < budget:
+            if rid in self.cancelled:
+                reason = "cancelled"
+                break
             token = choose_token(self._logits(), temperature, rng)
             if self._lib.llama_vocab_is_eog(self.vocab, token):
                 reason = "stop"
@@ -157,9 +165,28 @@ class Generator:
                     "decode_s": finished - prompt_done})
 
 
+def _read_requests(generator: Generator, requests: queue.Queue[dict[str, Any] | None], out: IO[str]) -> None:
+    """Read stdin in its own thread, so that a cancel reaches a request while it generates."""
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+        except json.JSONDecodeError:
+            _emit(out, {"event": "error", "message": "request is not JSON"})
+            continue
+        if request.get("op") == "cancel":
+            generator.cancelled.add(request.get("id"))
+        else:
+            requests.put(request)
+    requests.put(None)
+
+
+_EMIT = threading.Lock()  # the stdin reader thread may answer too
+
+
 def _emit(out: IO[str], message: dict[str, Any]) -> None:
-    out.write(json.dumps(message) + "\n")
-    out.flush()
+    with _EMIT:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,12 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _emit(out, {"event": "ready", "load_s": time.perf_counter() - started, "n_ctx": generator.llm.n_ctx(),
                 "n_vocab": generator.n_vocab})
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-        except json.JSONDecodeError:
-            _emit(out, {"event": "error", "message": "request is not JSON"})
-            continue
+    requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    threading.Thread(target=_read_requests, args=(generator, requests, out), daemon=True).start()
+    for request in iter(requests.get, None):
         if request.get("op") == "generate":
             try:
                 generator.generate(request, out)

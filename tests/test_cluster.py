@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +105,20 @@ def test_killed_worker_mid_generation_resumes_with_identical_text(cluster3: Clus
     node = next(node for node in cluster3.status()["nodes"] if node["name"] == "n1")
     assert node["restarts"] == 1 and "SIGKILL" in node["last_status"]
     assert node["state"] == "ready" and cluster3.worker_pid("n1") != victim
+
+
+def test_interrupted_run_is_cancelled_and_frees_the_cluster(cluster3: Cluster) -> None:
+    served = cluster3.status()["requests_served"]
+    run = cluster3.popen("run", PROMPT, "-n", "480")
+    assert run.stdout is not None
+    run.stdout.read(20)
+    run.send_signal(signal.SIGINT)  # Ctrl-C
+    run.communicate(timeout=30)
+    assert run.returncode == 130
+    assert cluster3.cli("run", PROMPT, "-n", "4").returncode == 0
+    status = cluster3.status()
+    assert status["requests_served"] == served + 1  # the interrupted request did not run to its end
+    assert any(event["kind"] == "cancelled" for event in status["events"])
 
 
 def test_killed_controller_is_replaced_and_workers_adopted(cluster3: Cluster) -> None:
@@ -217,3 +233,18 @@ def test_embedded_default_runs_without_an_inventory(short_tmp) -> None:
         assert len(cli("run", "Hello", "-n", "12").stdout.split()) >= 6
     finally:
         subprocess.run([CLI, "down"], env=env, cwd=short_tmp, capture_output=True, timeout=120, check=False)
+
+
+def test_two_ups_at_once_start_one_cluster(short_tmp) -> None:
+    cluster = Cluster(short_tmp, nodes=2)
+    try:
+        first, second = cluster.popen("up"), cluster.popen("up")
+        results = [(process.wait(timeout=300), process.communicate()[1]) for process in (first, second)]
+        assert [code for code, _ in results] == [0, 0]
+        assert sum("already up" in stderr for _, stderr in results) == 1
+        controllers = [pid for pid in cluster.processes()
+                       if "core.controller" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(controllers) == 1
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
