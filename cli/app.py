@@ -136,6 +136,8 @@ def up(
         err.print(f"cluster '{inventory.cluster}' is already up with this inventory; nothing changed")
     elif result.restarted:
         err.print(f"cluster '{inventory.cluster}' restarted with the changed inventory")
+    elif result.adopted:
+        err.print("a new controller adopted the workers that were still running (they were not restarted)")
     out.print(status_view(snapshot, events=0))
     if any(node.kind != "local" or node.state == NodeState.FAILED for node in snapshot.nodes):
         out.print(deploy_table(snapshot))

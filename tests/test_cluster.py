@@ -128,7 +128,7 @@ def test_killed_controller_is_replaced_and_workers_adopted(cluster3: Cluster) ->
     deadline = time.monotonic() + 10
     while alive(controller) and time.monotonic() < deadline:
         time.sleep(0.05)
-    cluster3.cli("up")
+    assert "adopted the workers" in cluster3.cli("up").stderr
     assert {node: cluster3.worker_pid(node) for node in workers} == workers
     assert int((cluster3.state / "controller.pid").read_text()) != controller
     events = [event["message"] for event in cluster3.status()["events"]]
