@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Coroutine
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -54,15 +54,20 @@ def _global(
     OPTIONS.debug = debug
 
 
+def _fail(exc: ClusterError) -> NoReturn:
+    """One line on stderr and the error's exit code (the traceback with --debug)."""
+    if OPTIONS.debug:
+        raise exc
+    err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(exc.exit_code) from None
+
+
 def _execute(work: Coroutine[Any, Any, T]) -> T:
     """Run a core coroutine; a ClusterError becomes one line on stderr and its exit code."""
     try:
         return asyncio.run(work)
     except ClusterError as exc:
-        if OPTIONS.debug:
-            raise
-        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(exc.exit_code) from None
+        _fail(exc)
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None
@@ -72,10 +77,7 @@ def _inventory() -> Inventory:
     try:
         return load_inventory(find_inventory(OPTIONS.inventory))
     except ClusterError as exc:
-        if OPTIONS.debug:
-            raise
-        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(exc.exit_code) from None
+        _fail(exc)
 
 
 @app.command()

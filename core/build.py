@@ -186,29 +186,37 @@ def source_protocol(version: str, progress: Progress) -> Version:
     return parse_protocol((worker_source(version, progress) / "ggml" / "include" / "ggml-rpc.h").read_text())
 
 
+def cached_worker(backend: str = "cpu") -> WorkerBinary | None:
+    """This machine's ggml-rpc-server for ``backend`` if it is already built, else None."""
+    key = build_key(pinned_version(), backend)
+    home = cache_dir() / "bin" / key
+    if not ((home / TARGET).is_file() and (home / "manifest.json").is_file()):
+        return None
+    return WorkerBinary(home / TARGET, key, Version(**json.loads((home / "manifest.json").read_text())["protocol"]))
+
+
 def worker_binary(backend: str = "cpu", progress: Progress | None = None) -> WorkerBinary:
     """This machine's ggml-rpc-server for ``backend``, built on first use and cached."""
     report: Progress = progress or (lambda _message, _fraction: None)
     if backend not in BACKEND_FLAGS:
         raise DeployError(f"unknown backend '{backend}'", f"fix: use one of {', '.join(BACKEND_FLAGS)}")
+    found = cached_worker(backend)
+    if found is not None:
+        return found
     version = pinned_version()
     key = build_key(version, backend)
-    home = cache_dir() / "bin" / key
-    binary = home / TARGET
-    manifest = home / "manifest.json"
-    if binary.is_file() and manifest.is_file():
-        return WorkerBinary(binary, key, Version(**json.loads(manifest.read_text())["protocol"]))
     with _locked(cache_dir() / "bin" / f"{key}.lock"):
-        if binary.is_file() and manifest.is_file():
-            return WorkerBinary(binary, key, Version(**json.loads(manifest.read_text())["protocol"]))
-        project = worker_source(version, report)
+        found = cached_worker(backend)
+        if found is not None:
+            return found
+        home = cache_dir() / "bin" / key
         protocol = source_protocol(version, report)
-        _compile(project, key, backend, home, report)
-        manifest.write_text(json.dumps({
+        _compile(worker_source(version, report), key, backend, home, report)
+        (home / "manifest.json").write_text(json.dumps({
             "key": key, "version": version, "backend": backend, "built_at": time.time(),
             "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
         }))
-    return WorkerBinary(binary, key, protocol)
+    return WorkerBinary(home / TARGET, key, protocol)
 
 
 def _compile(project: Path, key: str, backend: str, home: Path, report: Progress) -> None:

@@ -18,23 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.build import (
-    TARGET,
-    Progress,
-    build_key,
-    cache_dir,
-    decide_deployment,
-    node_root,
-    pinned_version,
-    worker_binary,
-)
-from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, node_spec, ssh_worker_dir
+from core.build import TARGET, Progress, cache_dir, cached_worker, decide_deployment, node_root, worker_binary
+from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, read_launch, worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError
-from core.inventory import Inventory, Node, parse_inventory
+from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
 from core.planner import NodeCapacity, Plan, plan_equal, plan_memory
 from core.probe import PROBE_COMMAND, parse_node
-from core.remote import LocalRemote, Remote, SshRemote
+from core.remote import Remote, remote_for
 from core.state import StateDir, fingerprint, process_alive, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState
 
@@ -157,7 +148,6 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             await _wait_gone(pid, DOWN_TIMEOUT_S)
-    adopted = state.inventory.is_file() and not restarted
     state.socket.unlink(missing_ok=True)  # a dead controller's socket would answer "refused"
     state.pid.unlink(missing_ok=True)
     state.inventory.write_text(inventory_text)
@@ -175,7 +165,7 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
     except (asyncio.CancelledError, KeyboardInterrupt):
         await shut_down(state)
         raise
-    adopted = adopted and any("adopted" in event.message for event in snapshot.events)
+    adopted = any("adopted" in event.message for event in snapshot.events)
     return UpResult(snapshot, already_up=False, restarted=restarted, adopted=adopted)
 
 
@@ -260,20 +250,13 @@ async def _stop_leftover_workers(state: StateDir) -> DownResult:
     """Workers whose supervisor still runs after the controller is gone (killed, crashed)."""
     if not (state.inventory.is_file() and state.launch.is_file()):
         return DownResult([], [])
-    launch_data = json.loads(state.launch.read_text())
-    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
-    inventory = inventory.model_copy(update={"source": launch_data["source"]})
-    launch = Launch.from_dict(launch_data)
+    inventory, _ = read_launch(state)
 
     async def stop(node: Node) -> str | None:
-        remote: Remote = LocalRemote(node.name) if node.kind == "local" else SshRemote(node)
+        remote = remote_for(node)
         try:
             await remote.connect()
-            if node.kind == "local":
-                spec = node_spec(inventory, node, state, launch)
-            else:  # stopping needs only the worker's folder
-                spec = worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(inventory, node, remote),
-                                         binary=TARGET, port=node.rpc_port)
+            spec = _folder_spec(inventory, node, state, remote)
             if await worker.running_supervisor(remote, spec) is None:
                 return None
             await worker.stop(remote, spec)
@@ -288,6 +271,12 @@ async def _stop_leftover_workers(state: StateDir) -> DownResult:
         if isinstance(result, BaseException) and not isinstance(result, ClusterError):
             raise result
     return DownResult([result for result in results if isinstance(result, str)], unreachable)
+
+
+def _folder_spec(inventory: Inventory, node: Node, state: StateDir, remote: Remote) -> worker.WorkerSpec:
+    """Enough of a worker's spec to find, check or stop it: its folder."""
+    return worker.WorkerSpec(node=node.name, workdir=worker_dir(inventory, node, state, remote), binary=TARGET,
+                             port=node.rpc_port)
 
 
 @dataclass(frozen=True)
@@ -316,7 +305,7 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
     gate = asyncio.Semaphore(PARALLEL_NODES)
 
     async def one(node: Node) -> NodeCheck:
-        remote: Remote = LocalRemote(node.name) if node.kind == "local" else SshRemote(node)
+        remote = remote_for(node)
         row = NodeCheck(node.name, node.host or "localhost")
         async with gate:
             try:
@@ -328,17 +317,12 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
                               hardware=f"{facts.cpu.cores} cores, {facts.memory.total / (1 << 30):.1f} GiB"
                               + (f", {gpus}" if gpus else ""))
                 if node.kind == "local":
-                    workdir = inventory.workdir(node) or state.node_dir(node.name)
-                    spec = worker.WorkerSpec(node=node.name, workdir=str(workdir), binary=TARGET, port=node.rpc_port)
-                    built = await asyncio.to_thread(_local_build_exists)
                     row = replace(row, backend="cpu", reason="local nodes run this machine's cpu build",
-                                  worker="cached" if built else "build here")
+                                  worker="cached" if cached_worker() else "build here")
                 else:
                     plan = await decide_deployment(remote, node, facts, node_root(remote, node.workdir), flags)
-                    spec = worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(inventory, node, remote),
-                                             binary=TARGET, port=node.rpc_port)
                     row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
-                ours = await worker.running_supervisor(remote, spec) is not None
+                ours = await worker.running_supervisor(remote, _folder_spec(inventory, node, state, remote)) is not None
                 used = await remote.port_open(node.rpc_port)
                 port = "used by this cluster's worker" if ours else "in use by another process" if used else "free"
                 row = replace(row, port=f"{node.rpc_port} {port}")
@@ -351,10 +335,6 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
         return row
 
     return list(await asyncio.gather(*(one(node) for node in inventory.nodes)))
-
-
-def _local_build_exists() -> bool:
-    return (cache_dir() / "bin" / build_key(pinned_version(), "cpu") / TARGET).is_file()
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,13 @@ from typing import Any
 
 from core import worker
 from core.build import deploy_worker, node_root
+from core.coordinator import CoordinatorConfig
 from core.errors import ClusterError, DeployError, PlanError, RequestError, WorkerError
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
 from core.model import ModelFacts, read_model
 from core.planner import NodeCapacity, Plan, assign_layers, plan_memory
 from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
-from core.remote import LocalRemote, Remote, SshRemote, shell_command
+from core.remote import Remote, remote_for, shell_command
 from core.rpc import Version, probe_worker
 from core.state import StateDir
 from core.status import (
@@ -70,9 +71,19 @@ class Launch:
         return cls(binary=data["binary"], model=data["model"], protocol=Version(*data["protocol"]))
 
 
-def ssh_worker_dir(inventory: Inventory, node: Node, remote: Remote) -> str:
-    """Where an ssh node's worker lives: <workdir or ~/.ggml-cluster>/<cluster>/<node>."""
+def worker_dir(inventory: Inventory, node: Node, state: StateDir, remote: Remote) -> str:
+    """Where a node's worker lives: a local node's ``workdir`` or <state>/nodes/<node>; an ssh node's
+    <workdir or ~/.ggml-cluster>/<cluster>/<node> (``remote`` connected, to expand ``~``)."""
+    if node.kind == "local":
+        return str(inventory.workdir(node) or state.node_dir(node.name))
     return f"{node_root(remote, node.workdir)}/{inventory.cluster}/{node.name}"
+
+
+def read_launch(state: StateDir) -> tuple[Inventory, Launch]:
+    """The inventory and launch settings `up` wrote into the state dir."""
+    data = json.loads(state.launch.read_text())
+    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
+    return inventory.model_copy(update={"source": data["source"]}), Launch.from_dict(data)
 
 
 def local_cpu_flags() -> frozenset[str]:
@@ -83,12 +94,24 @@ def local_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch) -> worker.WorkerSpec:
+def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch, remote: Remote
+              ) -> worker.WorkerSpec:
     """How a local node's worker is run: the built binary, or the node's own ``build: {path: …}``."""
-    workdir = inventory.workdir(node) or state.node_dir(node.name)
     binary = inventory.resolve(node.build.path) if isinstance(node.build, BuildPath) else Path(launch.binary)
-    return worker.WorkerSpec(node=node.name, workdir=str(workdir), binary=str(binary),
+    return worker.WorkerSpec(node=node.name, workdir=worker_dir(inventory, node, state, remote), binary=str(binary),
                              port=node.rpc_port, threads=node.threads, cache=str(state.worker_cache))
+
+
+@dataclass
+class _Progress:
+    """One request's state, kept across coordinator restarts so that it can resume."""
+
+    prompt_tokens: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
 
 
 @dataclass
@@ -115,7 +138,7 @@ class Controller:
         for node in inventory.nodes:
             local = node.kind == "local"
             self.nodes[node.name] = NodeRuntime(
-                node=node, remote=LocalRemote(node.name) if local else SshRemote(node),
+                node=node, remote=remote_for(node),
                 status=NodeStatus(name=node.name, host=node.host or "localhost", kind=node.kind,
                                   rpc_port=node.rpc_port, arch=platform.machine() if local else "",
                                   backend="cpu" if local else ""))
@@ -130,7 +153,7 @@ class Controller:
         self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._coordinator_ready = asyncio.Event()
         self._request_lock = asyncio.Lock()
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # set and replaced on every change
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.finished = asyncio.Event()
@@ -158,16 +181,13 @@ class Controller:
 
     def notify(self) -> None:
         """Wake every watcher: something changed."""
-        async def wake() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-        self._spawn(wake())
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def wait_change(self, timeout: float) -> None:
         """Return on the next change or after ``timeout``."""
-        async with self._changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
@@ -207,7 +227,7 @@ class Controller:
         """Reach, probe and deploy an ssh node; a local node runs the binary `up` built."""
         node, status, remote = runtime.node, runtime.status, runtime.remote
         if node.kind == "local":
-            return node_spec(self.inventory, node, self.state, self.launch)
+            return node_spec(self.inventory, node, self.state, self.launch, remote)
         status.state = NodeState.CONNECTING
         self.notify()
         loop = asyncio.get_running_loop()
@@ -228,7 +248,7 @@ class Controller:
         status.progress = None
         status.last_status = ""  # it held deployment progress
         self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
-        return worker.WorkerSpec(node=node.name, workdir=ssh_worker_dir(self.inventory, node, remote),
+        return worker.WorkerSpec(node=node.name, workdir=worker_dir(self.inventory, node, self.state, remote),
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,
                                  bind=node.host if node.transport == "direct" else "127.0.0.1")
 
@@ -377,14 +397,12 @@ class Controller:
 
     async def _stopped_workers(self) -> list[NodeRuntime]:
         """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
-        stuck = []
-        for runtime in self.nodes.values():
-            if self.plan is None or runtime.node.name not in self.plan.nodes or runtime.status.pid is None:
-                continue
-            state = await runtime.remote.run(f"ps -o stat= -p {int(runtime.status.pid)}")
-            if state.stdout.strip().startswith("T"):
-                stuck.append(runtime)
-        return stuck
+        planned = [runtime for runtime in self.nodes.values() if self.plan is not None
+                   and runtime.node.name in self.plan.nodes and runtime.status.pid is not None]
+        states = await asyncio.gather(*(runtime.remote.run(f"ps -o stat= -p {int(runtime.status.pid or 0)}")
+                                        for runtime in planned))
+        return [runtime for runtime, state in zip(planned, states, strict=True)
+                if state.stdout.strip().startswith("T")]
 
     async def _watchdog_fired(self, generated: int) -> str:
         """No progress within the bound: kill what is stuck, restart the coordinator; returns the cause."""
@@ -413,8 +431,6 @@ class Controller:
 
     async def start_coordinator(self) -> None:
         """Wait for the workers, plan, and start the coordinator; raises when it cannot load."""
-        from core.coordinator import CoordinatorConfig
-
         self.coordinator.state = CoordinatorState.LOADING
         self.notify()
         usable = await self._verified_nodes()
@@ -432,6 +448,7 @@ class Controller:
         self.record("plan", f"{plan.strategy} split {list(plan.tensor_split)}: {layout}")
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:
+            log_start = log_file.tell()
             # ggml's abort handler attaches gdb and prints a backtrace on stdout, our protocol channel.
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "core.coordinator", config.to_json(),
@@ -448,16 +465,17 @@ class Controller:
             self.record("coordinator-failed", f"coordinator could not load the model: {reason}")
             raise ClusterError(f"the coordinator could not load the model: {reason}",
                                f"see {self.state.coordinator_log}")
-        self._check_assignment(plan)
+        self._check_assignment(plan, log_start)
         self.coordinator.state = CoordinatorState.READY
         self._coordinator_ready.set()
         self.record("coordinator-ready", f"model loaded across {len(plan.nodes)} worker(s) in "
                     f"{time.monotonic() - started:.1f}s")
 
-    def _check_assignment(self, plan: Plan) -> None:
-        """Compare llama.cpp's own layer placement (its load log) with the plan."""
-        text = self.state.coordinator_log.read_text(errors="replace")[-200_000:]
-        seen = parse_layer_devices(text)
+    def _check_assignment(self, plan: Plan, log_start: int) -> None:
+        """Compare llama.cpp's own layer placement (this coordinator's part of the log) with the plan."""
+        with self.state.coordinator_log.open("rb") as log_file:
+            log_file.seek(log_start)
+            seen = parse_layer_devices(log_file.read().decode(errors="replace"))
         expected = assign_layers(plan.tensor_split, self.model.n_layers)
         if seen and [seen.get(layer) for layer in range(len(expected))] != expected:
             self.record("plan-mismatch", f"llama.cpp placed layers as {seen}, the plan expected {expected}")
@@ -527,87 +545,96 @@ class Controller:
     async def generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
         async with self._request_lock:
-            prompt_tokens: list[int] | None = None
-            generated: list[int] = []
-            texts: list[str] = []
-            recoveries: list[dict[str, Any]] = []
-            started = time.perf_counter()
-            first_token_s: float | None = None
+            progress = _Progress()
             rid = 0
             while True:
-                await self._await_coordinator(recoveries)
+                await self._await_coordinator(progress.recoveries)
                 rid += 1
-                message: dict[str, Any] = {
-                    "op": "generate", "id": rid, "max_tokens": int(request.get("max_tokens", 128)),
-                    "temperature": float(request.get("temperature", 0.0)), "seed": request.get("seed"),
-                    "replay": generated}
-                if prompt_tokens is None:
-                    message["prompt"] = str(request.get("prompt", ""))
-                else:
-                    message["prompt_tokens"] = prompt_tokens
                 process, messages = self._process, self._messages
                 if process is None or process.stdin is None:
                     continue
-                self.coordinator.state = CoordinatorState.GENERATING
-                self.notify()
-                process.stdin.write((json.dumps(message) + "\n").encode())
-                with contextlib.suppress(ConnectionError):
-                    await process.stdin.drain()
-                while True:
-                    try:
-                        answer = await asyncio.wait_for(messages.get(), self.inventory.watchdog)
-                    except TimeoutError:
-                        cause = await self._watchdog_fired(len(generated))
-                        recoveries.append({"at_token": len(generated), "time": time.time(), "cause": cause})
-                        await _drain_until_exit(messages)
-                        break
-                    kind = answer.get("event")
-                    if kind == "exit":
-                        recoveries.append({"at_token": len(generated), "time": time.time(),
-                                           "cause": f"coordinator exited with {answer.get('code')} after "
-                                                    f"{len(generated)} tokens"})
-                        break
-                    if answer.get("id") != rid:
-                        continue
-                    if kind == "prompt":
-                        prompt_tokens = list(answer["tokens"])
-                    elif kind == "token":
-                        generated.append(int(answer["token"]))
-                        texts.append(answer["text"])
-                        if first_token_s is None:
-                            first_token_s = time.perf_counter() - started
-                        if recoveries and "first_token_after_s" not in recoveries[-1]:
-                            recoveries[-1]["first_token_after_s"] = time.time() - recoveries[-1]["time"]
-                            self.record("recovered", f"request resumed at token {recoveries[-1]['at_token']}, "
-                                        f"{recoveries[-1]['first_token_after_s']:.2f}s after the fault was seen")
-                        try:
-                            await send({"event": "token", "text": answer["text"]})
-                        except ConnectionError:
-                            await self._cancel(process, messages, rid)
-                            raise
-                    elif kind == "error":
-                        self._set_ready()
-                        raise RequestError(str(answer.get("message")))
-                    elif kind == "done":
-                        self._set_ready()
-                        self.requests_served += 1
-                        if answer.get("text"):
-                            texts.append(answer["text"])
-                            await send({"event": "token", "text": answer["text"]})
-                        total = time.perf_counter() - started
-                        await send({
-                            "event": "done", "text": "".join(texts), "reason": answer.get("reason"),
-                            "prompt_tokens": len(prompt_tokens or []), "completion_tokens": len(generated),
-                            "timings": {"total_s": total, "first_token_s": first_token_s,
-                                        "prompt_s": answer.get("prompt_s"), "decode_s": answer.get("decode_s"),
-                                        "decode_tokens_per_s": _rate(answer.get("completion_tokens"),
-                                                                     answer.get("decode_s"))},
-                            "recoveries": recoveries})
-                        return
-                if len(recoveries) > MAX_RECOVERIES:
-                    raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; "
-                                       f"last: {recoveries[-1]['cause']}")
-                await send({"event": "notice", "message": f"recovering: {recoveries[-1]['cause']}; resuming"})
+                cause = await self._attempt(request, progress, rid, process=process, messages=messages, send=send)
+                if cause is None:
+                    return
+                progress.recoveries.append({"at_token": len(progress.generated), "time": time.time(),
+                                            "cause": cause})
+                if len(progress.recoveries) > MAX_RECOVERIES:
+                    raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; last: {cause}")
+                await send({"event": "notice", "message": f"recovering: {cause}; resuming"})
+
+    async def _attempt(self, request: dict[str, Any], progress: _Progress, rid: int, *,
+                       process: asyncio.subprocess.Process, messages: asyncio.Queue[dict[str, Any]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> str | None:
+        """Run the request on this coordinator: None once it is done, else why the coordinator was lost."""
+        message: dict[str, Any] = {
+            "op": "generate", "id": rid, "max_tokens": int(request.get("max_tokens", 128)),
+            "temperature": float(request.get("temperature", 0.0)), "seed": request.get("seed"),
+            "replay": progress.generated}
+        if progress.prompt_tokens is None:
+            message["prompt"] = str(request.get("prompt", ""))
+        else:
+            message["prompt_tokens"] = progress.prompt_tokens
+        self.coordinator.state = CoordinatorState.GENERATING
+        self.notify()
+        if process.stdin is not None:
+            process.stdin.write((json.dumps(message) + "\n").encode())
+            with contextlib.suppress(ConnectionError):
+                await process.stdin.drain()
+        while True:
+            try:
+                async with asyncio.timeout(self.inventory.watchdog):  # no task per token, unlike wait_for
+                    answer = await messages.get()
+            except TimeoutError:
+                cause = await self._watchdog_fired(len(progress.generated))
+                await _drain(messages, lambda answer: answer.get("event") == "exit", 10)
+                return cause
+            kind = answer.get("event")
+            if kind == "exit":
+                return f"coordinator exited with {answer.get('code')} after {len(progress.generated)} tokens"
+            if answer.get("id") != rid:
+                continue
+            if kind == "prompt":
+                progress.prompt_tokens = list(answer["tokens"])
+            elif kind == "token":
+                self._note_token(progress, answer)
+                try:
+                    await send({"event": "token", "text": answer["text"]})
+                except ConnectionError:
+                    await self._cancel(process, messages, rid)
+                    raise
+            elif kind == "error":
+                self._set_ready()
+                raise RequestError(str(answer.get("message")))
+            elif kind == "done":
+                self._set_ready()
+                self.requests_served += 1
+                await self._finish(progress, answer, send)
+                return None
+
+    def _note_token(self, progress: _Progress, answer: dict[str, Any]) -> None:
+        progress.generated.append(int(answer["token"]))
+        progress.texts.append(answer["text"])
+        if progress.first_token_s is None:
+            progress.first_token_s = time.perf_counter() - progress.started
+        last = progress.recoveries[-1] if progress.recoveries else None
+        if last is not None and "first_token_after_s" not in last:
+            last["first_token_after_s"] = time.time() - last["time"]
+            self.record("recovered", f"request resumed at token {last['at_token']}, "
+                        f"{last['first_token_after_s']:.2f}s after the fault was seen")
+
+    @staticmethod
+    async def _finish(progress: _Progress, answer: dict[str, Any],
+                      send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if answer.get("text"):
+            progress.texts.append(answer["text"])
+            await send({"event": "token", "text": answer["text"]})
+        await send({
+            "event": "done", "text": "".join(progress.texts), "reason": answer.get("reason"),
+            "prompt_tokens": len(progress.prompt_tokens or []), "completion_tokens": len(progress.generated),
+            "timings": {"total_s": time.perf_counter() - progress.started, "first_token_s": progress.first_token_s,
+                        "prompt_s": answer.get("prompt_s"), "decode_s": answer.get("decode_s"),
+                        "decode_tokens_per_s": _rate(answer.get("completion_tokens"), answer.get("decode_s"))},
+            "recoveries": progress.recoveries})
 
     async def _cancel(self, process: asyncio.subprocess.Process, messages: asyncio.Queue[dict[str, Any]],
                       rid: int) -> None:
@@ -617,12 +644,8 @@ class Controller:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 process.stdin.write((json.dumps({"op": "cancel", "id": rid}) + "\n").encode())
                 await process.stdin.drain()
-        with contextlib.suppress(TimeoutError):
-            while True:
-                answer = await asyncio.wait_for(messages.get(), self.inventory.watchdog)
-                if answer.get("event") == "exit" or (answer.get("id") == rid and answer.get("event") in (
-                        "done", "error")):
-                    break
+        await _drain(messages, lambda answer: answer.get("event") == "exit" or (
+            answer.get("id") == rid and answer.get("event") in ("done", "error")), self.inventory.watchdog)
         self._set_ready()
 
     def _set_ready(self) -> None:
@@ -672,10 +695,11 @@ class Controller:
         self.finished.set()
 
 
-async def _drain_until_exit(messages: asyncio.Queue[dict[str, Any]]) -> None:
-    """Skip what a killed coordinator still said, up to its exit."""
+async def _drain(messages: asyncio.Queue[dict[str, Any]], until: Callable[[dict[str, Any]], bool],
+                 timeout: float) -> None:
+    """Skip a coordinator's messages up to the first for which ``until`` holds (or a silence of ``timeout``)."""
     with contextlib.suppress(TimeoutError):
-        while (await asyncio.wait_for(messages.get(), 10)).get("event") != "exit":
+        while not until(await asyncio.wait_for(messages.get(), timeout)):
             pass
 
 
@@ -741,10 +765,7 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
 
 async def serve(state: StateDir) -> int:
     """Run the controller for the cluster whose launch files are in ``state``."""
-    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
-    inventory = inventory.model_copy(update={"source": json.loads(state.launch.read_text())["source"]})
-    launch = Launch.from_dict(json.loads(state.launch.read_text()))
-    controller = Controller(inventory, launch, state)
+    controller = Controller(*read_launch(state), state)
     state.socket.unlink(missing_ok=True)
     server = await asyncio.start_unix_server(
         lambda r, w: _serve_client(controller, r, w), path=str(state.socket))

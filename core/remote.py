@@ -323,3 +323,8 @@ class SshRemote:
             with contextlib.suppress(asyncssh.Error, OSError):
                 await self._conn.wait_closed()
             self._conn = None
+
+
+def remote_for(node: Node) -> Remote:
+    """The way to reach ``node``: this machine for ``kind: local``, else SSH (connect before use)."""
+    return LocalRemote(node.name) if node.kind == "local" else SshRemote(node)

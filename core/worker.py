@@ -7,7 +7,6 @@ events.jsonl, and `command` (what it runs, for adoption).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import signal
@@ -165,18 +164,19 @@ async def start(remote: Remote, spec: WorkerSpec) -> bool:
     if current is not None:
         await stop(remote, spec)
     workdir = shell_command([spec.workdir])
-    # One round trip: make the folder, install the supervisor (sent on stdin), record the command, start.
+    # One round trip: make the folder, install the supervisor (sent on stdin), record the command, start,
+    # and wait (up to 5 s) for the supervisor to write its pid.
     write = await remote.run(
         f"mkdir -p {workdir} && cd {workdir} && cat > supervise.sh.partial && chmod 755 supervise.sh.partial && "
         f"mv supervise.sh.partial supervise.sh && printf '%s' {shell_command([spec.command()])} > command && "
-        f"rm -f supervisor.pid && {spec.supervisor_command()}", stdin=SUPERVISOR.read_text())
+        f"rm -f supervisor.pid && {spec.supervisor_command()} && "
+        "i=0; while [ ! -s supervisor.pid ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done",
+        stdin=SUPERVISOR.read_text())
     if write.code != 0:
         raise DeployError(f"node {spec.node}: cannot start the worker in {spec.workdir}: "
                           f"{write.stderr.strip() or write.code}")
-    for _ in range(100):
-        if await running_supervisor(remote, spec) is not None:
-            return False
-        await asyncio.sleep(0.05)
+    if await running_supervisor(remote, spec) is not None:
+        return False
     log = await remote.run(f"tail -n 5 {workdir}/supervisor.log")
     raise DeployError(f"node {spec.node}: the worker supervisor did not start: "
                       f"{log.stdout.strip() or 'no output'}")

@@ -18,8 +18,10 @@ from tests.harness import Cluster, free_port
 from tests.sshd import SSHD, SshWorld, keygen
 from tests.test_cluster import PROMPT, single_process
 
+# Skipped only on a developer machine without sshd; in CI (.ci/run installs it) a missing sshd fails instead.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900),
-              pytest.mark.skipif(not Path(SSHD).exists(), reason="OpenSSH sshd is not installed (.ci/run installs it)")]
+              pytest.mark.skipif(not Path(SSHD).exists() and not os.environ.get("CI"),
+                                 reason="OpenSSH sshd is not installed here (.ci/run installs it)")]
 
 
 @pytest.fixture(scope="module")
