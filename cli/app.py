@@ -18,6 +18,7 @@ from cli.render import check_table, deploy_table, plan_table, run_summary, statu
 from core import client
 from core.errors import ClusterError
 from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
+from core.planner import Plan
 from core.status import ClusterStatus, NodeState
 
 app = typer.Typer(
@@ -240,19 +241,41 @@ def check(
 
 @app.command()
 def plan(
-    strategy: Annotated[str, typer.Option(help="memory (llama.cpp's default) or equal.")] = "memory",
+    strategy: Annotated[str | None, typer.Option(
+        help="compute (by measured speed), memory (llama.cpp's default) or equal; default: the inventory's.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Show the layer plan for the running cluster and why each node got its part (changes nothing)."""
-    if strategy not in client.STRATEGIES:
-        err.print(f"[red]error:[/red] --strategy {strategy}: use one of {', '.join(client.STRATEGIES)}")
+    inventory = _inventory()
+    chosen = strategy or inventory.strategy
+    if chosen not in client.STRATEGIES:
+        err.print(f"[red]error:[/red] --strategy {chosen}: use one of {', '.join(client.STRATEGIES)}")
         raise typer.Exit(2)
-    result, rows = _execute(client.explain_plan(_inventory(), strategy))
+    result, rows = _execute(client.explain_plan(inventory, chosen))
+    _print_plan(result, rows, as_json)
+
+
+def _print_plan(result: Plan, rows: list[client.PlanRow], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps({**result.to_dict(), "rows": [row.to_dict() for row in rows]}, indent=2) + "\n")
-    else:
-        out.print(plan_table(rows))
-        err.print(f"strategy {result.strategy}: tensor_split {list(result.tensor_split)}", highlight=False)
+        return
+    out.print(plan_table(rows))
+    total = result.predicted_total_s
+    predicted = "" if total is None else (f"; predicted {total * 1000:.1f} ms/token ({1 / total:.1f} tok/s) "
+                                          f"with {result.overhead_s * 1000:.2f} ms in the coordinator")
+    err.print(f"strategy {result.strategy}: tensor_split {list(result.tensor_split)}{predicted}", highlight=False)
+
+
+@app.command()
+def profile(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the new plan as JSON.")] = False,
+) -> None:
+    """Measure every node's speed again, re-plan and reload the model (waits for a request in flight)."""
+    inventory = _inventory()
+    err.print("measuring the nodes (a few seconds per node) …")
+    _execute(client.reprofile(inventory))
+    result, rows = _execute(client.explain_plan(inventory, inventory.strategy))
+    _print_plan(result, rows, as_json)
 
 
 @app.command()

@@ -147,15 +147,16 @@ def check_table(rows: list[NodeCheck]) -> Table:
 
 
 def plan_table(rows: list[PlanRow]) -> Table:
-    """`plan`: per node, the layers it would hold, the memory that takes, and why."""
+    """`plan`: per node, the layers it would hold, the memory that takes, its share of a token, and why."""
     table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
-    for column in ("NODE", "LAYERS", "SPLIT", "NEEDS/USABLE"):
+    for column in ("NODE", "LAYERS", "NEEDS/USABLE", "MS/TOK"):
         table.add_column(column, no_wrap=True)
     table.add_column("WHY", overflow="fold")
     for row in rows:
         layers = "-" if row.layers is None else (
             f"{row.layers[0]}-{row.layers[1]}" if row.layers[0] != row.layers[1] else str(row.layers[0]))
-        table.add_row(row.name, layers, f"{row.share:.3f}", f"{size(row.needs)}/{size(row.usable)}", row.why)
+        predicted = "-" if row.predicted_ms is None else f"{row.predicted_ms:.2f}"
+        table.add_row(row.name, layers, f"{size(row.needs)}/{size(row.usable)}", predicted, row.why)
     return table
 
 

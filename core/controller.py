@@ -24,13 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.build import deploy_worker, node_root
+from core.build import cache_dir, deploy_worker, node_root
 from core.coordinator import CoordinatorConfig
-from core.errors import ClusterError, DeployError, PlanError, RequestError, WorkerError
+from core.errors import ClusterError, DeployError, PlanError, ProfileError, RequestError, WorkerError
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
 from core.model import ModelFacts, read_model
-from core.planner import NodeCapacity, Plan, assign_layers, plan_memory
+from core.planner import (
+    NodeCapacity,
+    Plan,
+    assign_layers,
+    plan_compute,
+    plan_equal,
+    plan_memory,
+    with_prediction,
+)
 from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
+from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
 from core.remote import Remote, remote_for, shell_command
 from core.rpc import Version, probe_worker
 from core.state import StateDir
@@ -147,6 +156,11 @@ class Controller:
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
         self.plan: Plan | None = None
+        self.profiles: Profiles | None = None
+        self._profile_cache = ProfileCache(cache_dir() / "profiles")
+        self._model_id = model_fingerprint(Path(launch.model))
+        self._reprofile = False  # set by `profile`: measure again before the next plan
+        self._replanning = False  # the coordinator is being restarted on purpose
         self.started_at = time.time()
         self.requests_served = 0
         self._process: asyncio.subprocess.Process | None = None
@@ -168,7 +182,11 @@ class Controller:
             nodes=[NodeStatus(**vars(runtime.status)) for runtime in self.nodes.values()],
             events=list(self.events), n_layers=self.model.n_layers,
             tensor_split=list(self.plan.tensor_split) if self.plan else [],
-            controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served)
+            controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
+            strategy=self.plan.strategy if self.plan else "",
+            predicted_ms=None if self.plan is None or self.plan.predicted_total_s is None
+            else self.plan.predicted_total_s * 1000,
+            overhead_ms=None if self.profiles is None else self.profiles.overhead_s * 1000)
 
     def record(self, kind: str, message: str, node: str | None = None) -> None:
         """Log an event, keep it for `status`, and wake watchers."""
@@ -398,7 +416,7 @@ class Controller:
     async def _stopped_workers(self) -> list[NodeRuntime]:
         """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
         planned = [runtime for runtime in self.nodes.values() if self.plan is not None
-                   and runtime.node.name in self.plan.nodes and runtime.status.pid is not None]
+                   and runtime.node.name in self.plan.used and runtime.status.pid is not None]
         states = await asyncio.gather(*(runtime.remote.run(f"ps -o stat= -p {int(runtime.status.pid or 0)}")
                                         for runtime in planned))
         return [runtime for runtime, state in zip(planned, states, strict=True)
@@ -417,15 +435,64 @@ class Controller:
         await self._kill_coordinator()
         return cause
 
-    def make_plan(self, usable: list[NodeRuntime]) -> Plan:
-        """Memory-proportional plan over the usable nodes, applied to their statuses."""
-        capacities = [NodeCapacity(r.node.name, r.status.mem_free, r.node.memory) for r in usable]
-        plan = plan_memory(self.model, capacities, self.inventory.context)
+    def _capacities(self, usable: list[NodeRuntime]) -> list[NodeCapacity]:
+        return [NodeCapacity(r.node.name, r.status.mem_free, r.node.memory) for r in usable]
+
+    def _profile_target(self, runtime: NodeRuntime, capacity: NodeCapacity) -> Target:
+        node, spec = runtime.node, runtime.spec
+        # Same node, same worker build and settings, same model file: the same speed.
+        identity = [node.name, node.kind, node.host, node.port, node.user, runtime.status.backend,
+                    spec.binary if spec else "", spec.threads if spec else None, self.launch.protocol]
+        endpoint = runtime.endpoint or ("", 0)
+        return Target(node.name, f"{endpoint[0]}:{endpoint[1]}", profile_key(identity, self._model_id),
+                      capacity.usable)
+
+    async def _measure(self, usable: list[NodeRuntime]) -> Profiles | None:
+        """Each usable node's speed for this model (cached, or timed now); None when that fails."""
+        capacities = self._capacities(usable)
+        targets = [self._profile_target(r, c) for r, c in zip(usable, capacities, strict=True)]
+        refresh, self._reprofile = self._reprofile, False
+        overhead_key = profile_key(["coordinator", platform.node(), 1], self._model_id)
+        self.coordinator.last_error = ""
+        try:
+            profiles = await measure(self.model, targets, self._profile_cache, overhead_key,
+                                     self.state.profile_log, refresh=refresh)
+        except ProfileError as exc:
+            self.record("profile-failed", f"{exc}; placing layers by free memory instead")
+            return None
+        if profiles.measured:
+            self.record("profile", "measured " + ", ".join(profiles.measured) + "; coordinator "
+                        f"{profiles.overhead_s * 1000:.2f} ms/token")
+        return profiles
+
+    def make_plan(self, usable: list[NodeRuntime], profiles: Profiles | None) -> Plan:
+        """The inventory's strategy over the usable nodes, applied to their statuses."""
+        capacities = self._capacities(usable)
+        names = [r.node.name for r in usable]
+        context, strategy = self.inventory.context, self.inventory.strategy
+        if strategy == "compute" and profiles is not None:
+            speeds = profiles.speeds(self.model, names)
+            plan = plan_compute(self.model, capacities, speeds, context, self.inventory.objective)
+        elif strategy == "equal":
+            plan = plan_equal(self.model, capacities, context)
+        else:
+            plan = plan_memory(self.model, capacities, context)
+        if profiles is not None and all(profiles.nodes.get(name) for name in plan.used):
+            plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)
         self.plan = plan
+        self.profiles = profiles
         for runtime in self.nodes.values():
-            runtime.status.layers = None
-        for name, layers in zip(plan.nodes, plan.layers, strict=True):
+            status = runtime.status
+            status.layers = status.predicted_ms = None
+            profile = profiles.nodes.get(runtime.node.name) if profiles else None
+            speed = profiles.speeds(self.model, [runtime.node.name])[0] if profiles and profile else None
+            status.fixed_ms = speed.fixed_s * 1000 if speed else None
+            status.layer_ms = speed.per_layer_s * 1000 if speed else None
+            status.output_ms = speed.output_s * 1000 if speed else None
+        for index, (name, layers) in enumerate(zip(plan.nodes, plan.layers, strict=True)):
             self.nodes[name].status.layers = layers
+            if plan.predicted_s and layers:
+                self.nodes[name].status.predicted_ms = plan.predicted_s[index] * 1000
         self.state.plan.write_text(json.dumps(plan.to_dict(), indent=2))
         return plan
 
@@ -434,18 +501,23 @@ class Controller:
         self.coordinator.state = CoordinatorState.LOADING
         self.notify()
         usable = await self._verified_nodes()
-        plan = self.make_plan(usable)
+        measure_now = self.inventory.strategy == "compute" or self._reprofile
+        profiles = await self._measure(usable) if measure_now else self.profiles
+        plan = self.make_plan(usable, profiles)
         endpoints = []
-        for name in plan.nodes:
+        # A node without layers stays out: it would only add a connection the coordinator dies with.
+        for name in plan.used:
             endpoint = self.nodes[name].endpoint
             if endpoint is None:
                 raise WorkerError(f"node {name} has no endpoint")
             endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
         config = CoordinatorConfig(model=self.launch.model, endpoints=tuple(endpoints),
-                                   tensor_split=plan.tensor_split, context=self.inventory.context)
+                                   tensor_split=plan.used_split, context=self.inventory.context)
         layout = ", ".join(f"{name} {_layers(layers)}" for name, layers in zip(plan.nodes, plan.layers,
                                                                              strict=True))
-        self.record("plan", f"{plan.strategy} split {list(plan.tensor_split)}: {layout}")
+        total = plan.predicted_total_s
+        predicted = "" if total is None else f"; predicted {total * 1000:.1f} ms/token"
+        self.record("plan", f"{plan.strategy} split {list(plan.tensor_split)}: {layout}{predicted}")
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:
             log_start = log_file.tell()
@@ -468,7 +540,7 @@ class Controller:
         self._check_assignment(plan, log_start)
         self.coordinator.state = CoordinatorState.READY
         self._coordinator_ready.set()
-        self.record("coordinator-ready", f"model loaded across {len(plan.nodes)} worker(s) in "
+        self.record("coordinator-ready", f"model loaded across {len(plan.used)} worker(s) in "
                     f"{time.monotonic() - started:.1f}s")
 
     def _check_assignment(self, plan: Plan, log_start: int) -> None:
@@ -476,7 +548,7 @@ class Controller:
         with self.state.coordinator_log.open("rb") as log_file:
             log_file.seek(log_start)
             seen = parse_layer_devices(log_file.read().decode(errors="replace"))
-        expected = assign_layers(plan.tensor_split, self.model.n_layers)
+        expected = assign_layers(plan.used_split, self.model.n_layers)
         if seen and [seen.get(layer) for layer in range(len(expected))] != expected:
             self.record("plan-mismatch", f"llama.cpp placed layers as {seen}, the plan expected {expected}")
 
@@ -496,7 +568,7 @@ class Controller:
             self._process = None
             self._coordinator_ready.clear()
             self.coordinator.pid = None
-            if not self._stopping:
+            if not self._stopping and not self._replanning:
                 self._spawn(self._on_coordinator_exit(code))
 
     async def _on_coordinator_exit(self, code: int) -> None:
@@ -527,9 +599,25 @@ class Controller:
             self.coordinator.state = CoordinatorState.FAILED
             self.record("coordinator-failed", f"could not restart within {RECOVERY_TIMEOUT_S:g}s")
 
+    async def replan(self, remeasure: bool) -> None:
+        """Measure the nodes again (with ``remeasure``), re-plan and restart the coordinator, between requests."""
+        async with self._request_lock:
+            self._reprofile = remeasure
+            self._replanning = True
+            try:
+                self.record("replan", "measuring the nodes again and re-planning" if remeasure else "re-planning")
+                await self._kill_coordinator()
+                while self._process is not None:  # until its reader has seen it go
+                    await self.wait_change(0.1)
+                self._coordinator_ready.clear()
+                self.coordinator.state = CoordinatorState.LOADING
+                await self._restart_coordinator()
+            finally:
+                self._replanning = False
+
     async def _replan_after_loss(self, name: str) -> None:
         """The coordinator's connection to ``name`` is gone: restart it (on the survivors if ``name`` failed)."""
-        if self.plan is not None and name in self.plan.nodes and self._process is not None:
+        if self.plan is not None and name in self.plan.used and self._process is not None:
             self.record("coordinator-restart", f"its connection to {name} is gone; restarting it")
             await self._kill_coordinator()
 
@@ -750,6 +838,11 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
                 await controller.generate(request, send)
             except ClusterError as exc:
                 await send({"event": "error", "message": str(exc)})
+        elif op == "profile":
+            await controller.replan(remeasure=True)
+            ready = controller.coordinator.state == CoordinatorState.READY
+            await send({"ok": ready} if ready else {"error": f"the coordinator did not come back: "
+                                                            f"{controller.coordinator.last_error}"})
         elif op == "down":
             await controller.shutdown(stop_workers=not request.get("keep_workers", False))
             await send({"ok": True})

@@ -128,10 +128,10 @@ class Generator:
         seed = request.get("seed")
         budget = min(max_tokens, llm.n_ctx() - len(prompt_tokens)) - len(replay)
         if len(prompt_tokens) >= llm.n_ctx():
-            _emit(out, {"id": rid, "event": "error", "message":
+            emit(out, {"id": rid, "event": "error", "message":
                         f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}"})
             return
-        _emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
+        emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
         rng = np.random.default_rng(seed if isinstance(seed, int) else None) if temperature > 0 else None
         started = time.perf_counter()
         llm.reset()  # type: ignore[no-untyped-call]
@@ -153,13 +153,13 @@ class Generator:
                 reason = "stop"
                 break
             generated += 1
-            _emit(out, {"id": rid, "event": "token", "token": token,
+            emit(out, {"id": rid, "event": "token", "token": token,
                         "text": decoder.decode(llm.detokenize([token]))})
             if generated < budget:
                 llm.eval([token])
         tail = decoder.decode(b"", final=True)
         finished = time.perf_counter()
-        _emit(out, {"id": rid, "event": "done", "reason": reason, "text": tail,
+        emit(out, {"id": rid, "event": "done", "reason": reason, "text": tail,
                     "prompt_tokens": len(prompt_tokens), "replayed_tokens": len(replay),
                     "completion_tokens": generated, "prompt_s": prompt_done - started,
                     "decode_s": finished - prompt_done})
@@ -171,7 +171,7 @@ def _read_requests(generator: Generator, requests: queue.Queue[dict[str, Any] | 
         try:
             request = json.loads(line)
         except json.JSONDecodeError:
-            _emit(out, {"event": "error", "message": "request is not JSON"})
+            emit(out, {"event": "error", "message": "request is not JSON"})
             continue
         if request.get("op") == "cancel":
             generator.cancelled.add(request.get("id"))
@@ -183,7 +183,8 @@ def _read_requests(generator: Generator, requests: queue.Queue[dict[str, Any] | 
 _EMIT = threading.Lock()  # the stdin reader thread may answer too
 
 
-def _emit(out: IO[str], message: dict[str, Any]) -> None:
+def emit(out: IO[str], message: dict[str, Any]) -> None:
+    """Write one protocol line and flush it."""
     with _EMIT:
         out.write(json.dumps(message) + "\n")
         out.flush()
@@ -201,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         register_rpc_servers(config.endpoints)
         generator = Generator(config)
     except (RuntimeError, ValueError, OSError) as exc:
-        _emit(out, {"event": "error", "message": f"cannot load the model: {exc}"})
+        emit(out, {"event": "error", "message": f"cannot load the model: {exc}"})
         return 1
-    _emit(out, {"event": "ready", "load_s": time.perf_counter() - started, "n_ctx": generator.llm.n_ctx(),
+    emit(out, {"event": "ready", "load_s": time.perf_counter() - started, "n_ctx": generator.llm.n_ctx(),
                 "n_vocab": generator.n_vocab})
     requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
     threading.Thread(target=_read_requests, args=(generator, requests, out), daemon=True).start()
@@ -212,11 +213,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 generator.generate(request, out)
             except (RuntimeError, ValueError) as exc:
-                _emit(out, {"id": request.get("id"), "event": "error", "message": str(exc)})
+                emit(out, {"id": request.get("id"), "event": "error", "message": str(exc)})
         elif request.get("op") == "shutdown":
             break
         else:
-            _emit(out, {"id": request.get("id"), "event": "error",
+            emit(out, {"id": request.get("id"), "event": "error",
                         "message": f"unknown op {request.get('op')!r}"})
     return 0
 

@@ -41,3 +41,7 @@ class PlanError(ClusterError):
 
 class RequestError(ClusterError):
     """A generation request failed."""
+
+
+class ProfileError(ClusterError):
+    """A node's speed could not be measured (the planner then falls back to memory shares)."""

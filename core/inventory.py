@@ -137,6 +137,10 @@ class Inventory(_Frozen):
     context: Annotated[int, Field(ge=64, le=1 << 20, strict=True)] = 2048
     # Seconds a request may go without progress before a worker counts as hung.
     watchdog: Annotated[int, Field(ge=1, le=3600, strict=True)] = 60
+    # How layers are placed: by measured speed (compute), by free memory as llama.cpp does, or equally.
+    strategy: Literal["compute", "memory", "equal"] = "compute"
+    # compute: least time per token (one request at a time) or the least bottleneck (a pipeline).
+    objective: Literal["latency", "throughput"] = "latency"
     api: Api = Field(default_factory=Api)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     nodes: tuple[Node, ...]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,17 +41,38 @@ class Plan:
     layers: tuple[tuple[int, int] | None, ...]
     bytes_needed: tuple[int, ...]
     strategy: str
+    predicted_s: tuple[float, ...] = ()  # each node's share of a token, when the nodes were measured
+    overhead_s: float = 0.0               # the coordinator's own share of a token
+
+    @property
+    def used(self) -> tuple[str, ...]:
+        """The nodes that hold layers: the only ones the coordinator connects to."""
+        return tuple(name for name, layers in zip(self.nodes, self.layers, strict=True) if layers)
+
+    @property
+    def used_split(self) -> tuple[float, ...]:
+        """The tensor_split over ``used`` alone that gives each the same layers."""
+        return split_for_counts([layers[1] - layers[0] + 1 for layers in self.layers if layers])
+
+    @property
+    def predicted_total_s(self) -> float | None:
+        """Predicted seconds per token, or None without measurements."""
+        return self.overhead_s + sum(self.predicted_s) if self.predicted_s else None
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict for plan.json."""
+        predicted = self.predicted_s or (None,) * len(self.nodes)
         return {
             "strategy": self.strategy,
             "nodes": [
-                {"name": name, "split": split, "layers": list(layers) if layers else None, "bytes": need}
-                for name, split, layers, need in zip(
-                    self.nodes, self.tensor_split, self.layers, self.bytes_needed, strict=True)
+                {"name": name, "split": split, "layers": list(layers) if layers else None, "bytes": need,
+                 "predicted_ms": None if share is None else share * 1000}
+                for name, split, layers, need, share in zip(
+                    self.nodes, self.tensor_split, self.layers, self.bytes_needed, predicted, strict=True)
             ],
             "tensor_split": list(self.tensor_split),
+            "overhead_ms": self.overhead_s * 1000,
+            "predicted_ms": None if self.predicted_total_s is None else self.predicted_total_s * 1000,
         }
 
 
@@ -133,10 +154,15 @@ def _mib(size: int) -> str:
 
 @dataclass(frozen=True)
 class NodeSpeed:
-    """A node's cost model for one model: ``fixed_s`` if it holds any layer, plus ``per_layer_s`` each."""
+    """A node's cost per token for one model.
+
+    ``fixed_s`` if it holds any layer, ``per_layer_s`` for a layer of the model's mean size (scaled by
+    each layer's weight bytes: decode reads every byte once), and ``output_s`` if it holds the output layer.
+    """
 
     fixed_s: float
     per_layer_s: float
+    output_s: float = 0.0
 
 
 def split_for_counts(counts: Sequence[int]) -> tuple[float, ...]:
@@ -173,6 +199,7 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
         raise PlanError("no worker is available to hold the model")
     per_layer = np.array([size + model.kv_bytes(context) for size in model.layer_bytes], dtype=np.int64)
     prefix = np.concatenate(([0], np.cumsum(per_layer)))
+    work = _layer_work(model)
     combine: Callable[[float, float], float] = operator.add if objective == "latency" else max
     # best[i][l]: the least cost placing the first l layers on the first i nodes; the output layer is
     # charged to the node that takes the model's last layer.
@@ -189,7 +216,11 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
                     need += model.output_bytes
                 if need > node.usable:
                     break
-                cost = speed.fixed_s + speed.per_layer_s * take if take else 0.0
+                cost = 0.0
+                if take:
+                    cost = speed.fixed_s + speed.per_layer_s * float(work[placed + take] - work[placed])
+                    if placed + take == layers:
+                        cost += speed.output_s
                 total = combine(best[i][placed], cost)
                 if total < best[i + 1][placed + take]:
                     best[i + 1][placed + take] = total
@@ -213,7 +244,26 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
                 bytes_needed=tuple(needed), strategy=f"compute ({objective})")
 
 
-def predict_seconds(plan: Plan, speeds: Sequence[NodeSpeed]) -> tuple[float, ...]:
+def _layer_work(model: ModelFacts) -> np.ndarray:
+    """Prefix sums of each layer's weight bytes in units of the mean layer."""
+    sizes = np.asarray(model.layer_bytes, dtype=np.float64)
+    mean = sizes.mean() if sizes.size and sizes.mean() > 0 else 1.0
+    return np.concatenate(([0.0], np.cumsum(sizes / mean)))
+
+
+def predict_seconds(plan: Plan, speeds: Sequence[NodeSpeed], model: ModelFacts) -> tuple[float, ...]:
     """Predicted time per token each node adds under ``plan`` (0 for a node without layers)."""
-    return tuple(speed.fixed_s + speed.per_layer_s * (layers[1] - layers[0] + 1) if layers else 0.0
-                 for layers, speed in zip(plan.layers, speeds, strict=True))
+    work = _layer_work(model)
+    shares = []
+    for layers, speed in zip(plan.layers, speeds, strict=True):
+        if layers is None:
+            shares.append(0.0)
+            continue
+        share = speed.fixed_s + speed.per_layer_s * float(work[layers[1] + 1] - work[layers[0]])
+        shares.append(share + (speed.output_s if layers[1] == model.n_layers - 1 else 0.0))
+    return tuple(shares)
+
+
+def with_prediction(plan: Plan, speeds: Sequence[NodeSpeed], model: ModelFacts, overhead_s: float) -> Plan:
+    """``plan`` with each node's predicted share of a token and the coordinator's own share."""
+    return replace(plan, predicted_s=predict_seconds(plan, speeds, model), overhead_s=overhead_s)

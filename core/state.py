@@ -86,6 +86,11 @@ class StateDir:
         return self.root / "coordinator.log"
 
     @property
+    def profile_log(self) -> Path:
+        """llama.cpp's output from the runs that measure the nodes."""
+        return self.root / "profile.log"
+
+    @property
     def worker_cache(self) -> Path:
         """LLAMA_CACHE for local workers (their -c tensor cache)."""
         return self.root / "tensor-cache"

@@ -65,6 +65,10 @@ class NodeStatus:
     last_error: str = ""
     detail: str = ""                # backend choice and how the worker got there
     progress: float | None = None   # of the current deployment step, 0..1
+    fixed_ms: float | None = None     # measured cost per token of using this node at all
+    layer_ms: float | None = None     # measured cost per token of one (mean-sized) layer here
+    output_ms: float | None = None    # measured cost per token of the output layer here
+    predicted_ms: float | None = None  # this node's predicted share of a token under the current plan
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
@@ -105,6 +109,9 @@ class ClusterStatus:
     controller_pid: int | None = None
     started_at: float = field(default_factory=time.time)
     requests_served: int = 0
+    strategy: str = ""
+    predicted_ms: float | None = None  # per token under the current plan, when the nodes were measured
+    overhead_ms: float | None = None   # the coordinator's own share of a token, measured with the nodes
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (`status --json`)."""
@@ -119,6 +126,9 @@ class ClusterStatus:
             "controller_pid": self.controller_pid,
             "started_at": self.started_at,
             "requests_served": self.requests_served,
+            "strategy": self.strategy,
+            "predicted_ms": self.predicted_ms,
+            "overhead_ms": self.overhead_ms,
         }
 
     @classmethod
@@ -143,4 +153,7 @@ class ClusterStatus:
             controller_pid=data.get("controller_pid"),
             started_at=data.get("started_at", 0.0),
             requests_served=data.get("requests_served", 0),
+            strategy=data.get("strategy", ""),
+            predicted_ms=data.get("predicted_ms"),
+            overhead_ms=data.get("overhead_ms"),
         )

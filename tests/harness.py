@@ -41,14 +41,20 @@ class Cluster:
 
     def __init__(self, root: Path, nodes: int, context: int = 512, extra: dict[int, list[str]] | None = None,
                  ssh: list[list[str]] | None = None, base_env: dict[str, str] | None = None,
-                 defaults: list[str] | None = None, top: list[str] | None = None) -> None:
-        """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines."""
+                 defaults: list[str] | None = None, top: list[str] | None = None,
+                 strategy: str | None = "memory") -> None:
+        """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines.
+
+        ``strategy`` is memory unless asked: identical workers would otherwise get every layer on one node
+        (the fastest plan), and the fault tests need every worker in the pipeline. None: the default.
+        """
         self.root = root
         self.state = root / "state"
         self.ports = [free_port() for _ in range(nodes)]
         self.inventory = root / "inventory.yaml"
         self.base_env = base_env or dict(os.environ)
         lines = [f"cluster: test{os.getpid()}", f"context: {context}", *(top or [])]
+        lines += [f"strategy: {strategy}"] if strategy else []
         if defaults:
             lines += ["defaults:", *(f"  {line}" for line in defaults)]
         lines.append("nodes:")

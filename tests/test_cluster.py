@@ -229,7 +229,11 @@ def test_embedded_default_runs_without_an_inventory(short_tmp) -> None:
         status = json.loads(cli("status", "--json").stdout)
         assert status["cluster"] == "demo"
         assert [node["state"] for node in status["nodes"]] == ["ready", "ready"]
-        assert [node["layers"] for node in status["nodes"]] == [[0, 4], [5, 7]]
+        # Placed by measured speed: which worker gets what depends on this machine, not the layer count.
+        assert status["strategy"] == "compute (latency)"
+        held = sorted(layer for node in status["nodes"] if node["layers"]
+                      for layer in range(node["layers"][0], node["layers"][1] + 1))
+        assert held == list(range(8))
         assert len(cli("run", "Hello", "-n", "12").stdout.split()) >= 6
     finally:
         subprocess.run([CLI, "down"], env=env, cwd=short_tmp, capture_output=True, timeout=120, check=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ from core.planner import (
     assign_layers,
     layer_ranges,
     plan_compute,
+    plan_equal,
     plan_memory,
     predict_seconds,
     split_for_counts,
+    with_prediction,
 )
 
 GIB = 1 << 30
@@ -99,7 +102,7 @@ def test_speed_bound_puts_everything_on_the_fast_node() -> None:
     nodes = [NodeCapacity("gpu", 30 * GIB), NodeCapacity("pi", 30 * GIB)]
     plan = plan_compute(model(), nodes, speeds((0.001, 0.001), (0.001, 0.010)), 1024)
     assert counts_of(plan) == [8, 0]
-    assert predict_seconds(plan, speeds((0.001, 0.001), (0.001, 0.010))) == pytest.approx((0.009, 0.0))
+    assert predict_seconds(plan, speeds((0.001, 0.001), (0.001, 0.010)), model()) == pytest.approx((0.009, 0.0))
 
 
 def test_memory_bound_fills_the_fast_node_then_spills() -> None:
@@ -129,12 +132,14 @@ def test_compute_plan_that_does_not_fit_names_the_shortfall() -> None:
 
 def test_dynamic_programme_matches_brute_force() -> None:
     rng = random.Random(11)
-    for _ in range(60):
+    for _ in range(80):
         n_layers = rng.randint(1, 6)
-        facts = model(n_layers=n_layers, layer_bytes=rng.choice([50, 100, 200]) << 20)
+        sizes = tuple(rng.choice([50, 100, 200]) << 20 for _ in range(n_layers))  # like mixed K-quants
+        facts = replace(model(n_layers=n_layers), layer_bytes=sizes)
+        mean = sum(sizes) / n_layers
         n = rng.randint(1, 3)
         nodes = [NodeCapacity(f"n{i}", (64 << 20) + rng.randint(0, 900) * (1 << 20)) for i in range(n)]
-        cost = speeds(*((rng.uniform(0, 0.02), rng.uniform(0.001, 0.01)) for _ in range(n)))
+        cost = [NodeSpeed(rng.uniform(0, 0.02), rng.uniform(0.001, 0.01), rng.uniform(0, 0.005)) for _ in range(n)]
         best = None
         for counts in itertools.product(range(n_layers + 1), repeat=n):
             if sum(counts) != n_layers:
@@ -142,10 +147,12 @@ def test_dynamic_programme_matches_brute_force() -> None:
             start, fits, total = 0, True, 0.0
             last = max(i for i, count in enumerate(counts) if count)
             for i, count in enumerate(counts):
-                need = sum(facts.layer_bytes[start:start + count]) + count * facts.kv_bytes(1024)
-                need += facts.output_bytes if i == last else 0
+                layers = facts.layer_bytes[start:start + count]
+                need = sum(layers) + count * facts.kv_bytes(1024) + (facts.output_bytes if i == last else 0)
                 fits &= need <= nodes[i].usable
-                total += cost[i].fixed_s + cost[i].per_layer_s * count if count else 0.0
+                if count:
+                    total += cost[i].fixed_s + cost[i].per_layer_s * sum(layers) / mean
+                    total += cost[i].output_s if i == last else 0.0
                 start += count
             if fits and (best is None or total < best - 1e-12):
                 best = total
@@ -154,5 +161,24 @@ def test_dynamic_programme_matches_brute_force() -> None:
                 plan_compute(facts, nodes, cost, 1024)
         else:
             plan = plan_compute(facts, nodes, cost, 1024)
-            assert sum(predict_seconds(plan, cost)) == pytest.approx(best)
+            assert sum(predict_seconds(plan, cost, facts)) == pytest.approx(best)
             assert all(need <= node.usable for need, node in zip(plan.bytes_needed, nodes, strict=True))
+
+
+def test_output_layer_cost_moves_the_last_layer_off_a_node_that_is_slow_at_it() -> None:
+    # Equal nodes, but the output matrix is costly on b: a takes every layer, so the output stays on a.
+    nodes = [NodeCapacity("a", 30 * GIB), NodeCapacity("b", 30 * GIB)]
+    cost = [NodeSpeed(0.0, 0.001, 0.001), NodeSpeed(0.0, 0.001, 0.050)]
+    plan = plan_compute(model(), nodes, cost, 1024)
+    assert counts_of(plan) == [8, 0]
+    assert predict_seconds(plan, cost, model()) == pytest.approx((0.009, 0.0))
+
+
+def test_prediction_is_carried_by_the_plan() -> None:
+    nodes = [NodeCapacity("a", 30 * GIB), NodeCapacity("b", 30 * GIB)]
+    cost = speeds((0.002, 0.001), (0.002, 0.001))
+    plan = with_prediction(plan_equal(model(), nodes, 1024), cost, model(), overhead_s=0.003)
+    # llama.cpp's equal split of 8 layers gives a five (its output slot is the ninth, on b).
+    assert plan.predicted_s == pytest.approx((0.007, 0.005))
+    assert plan.predicted_total_s == pytest.approx(0.015)
+    assert plan.to_dict()["predicted_ms"] == pytest.approx(15.0)

@@ -1,0 +1,328 @@
+"""Compute-aware sharding against llama.cpp's memory-proportional split, on a heterogeneous cluster made real here.
+
+Skewed cluster, three real ggml-rpc-server workers on loopback:
+- fast: one thread, but little memory (its cap holds 5 of the 8 layers);
+- slow: one thread of the same worker built for a CPU without SIMD extensions (no AVX, FMA or F16C),
+  about ten times slower per layer, with the most memory: the ARM board with 32 GB;
+- far: one thread behind a proxy that delays every chunk each way: a node across a slow link.
+Memory caps are what the inventory's `memory:` field gives the planner.
+
+For each plan the coordinator (the same child process the controller runs) loads the model on the nodes
+that hold layers and decodes; tokens/s is measured by the coordinator itself. Plans: memory-proportional,
+equal, compute (ours: the nodes measured by core.profile exactly as `up` does, then the DP), and the best
+of every contiguous split that fits (brute force). The top brute-force splits and the compute plan are then
+re-measured in alternating rounds, so the ratio compares numbers taken side by side. Then an
+identical-workers control (three plain workers, equal memory): compute against memory.
+Predicted ms/token (from the profiles) is printed next to each measured plan.
+
+    .venv/bin/python bench/sharding.py [--tokens 48] [--rounds 3] [--delay-ms 4]
+
+(A CPU quota was tried for the slow node and dropped: under a light load a throttled worker runs at full
+speed between refills, so its cost per layer depends on how busy it is, which no per-layer profile captures.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from faults import big_model
+
+from core.build import BASE_FLAGS, cache_dir, pinned_version, worker_binary, worker_source
+from core.coordinator import CoordinatorConfig
+from core.model import ModelFacts, read_model
+from core.planner import (
+    NodeCapacity,
+    NodeSpeed,
+    Plan,
+    plan_compute,
+    plan_equal,
+    plan_memory,
+    predict_seconds,
+    split_for_counts,
+)
+from core.profile import WARMUP_TOKENS, ProfileCache, Target, measure, profile_key
+from tests.harness import free_port, listening
+
+CONTEXT = 512
+PROMPT = "The cluster"
+MIB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class DelayProxy:
+    """A TCP proxy on loopback that holds every chunk for ``delay`` seconds in each direction, in order."""
+
+    def __init__(self, target_port: int, delay: float) -> None:
+        self.port = free_port()
+        self.target_port = target_port
+        self.delay = delay
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> DelayProxy:
+        self._thread.start()
+        self._started.wait(10)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        for writer in (client_writer, server_writer):
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(6, 1, 1)  # TCP_NODELAY, as ggml-rpc sets it
+        await asyncio.gather(self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer),
+                             return_exceptions=True)
+        for writer in (client_writer, server_writer):
+            writer.close()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    writer.write_eof()
+                    return
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        while data := await reader.read(1 << 20):
+            queue.put_nowait((time.monotonic() + self.delay, data))
+        queue.put_nowait((time.monotonic(), b""))
+        await sender
+
+
+def baseline_worker() -> Path:
+    """The same ggml-rpc-server built for a CPU without SIMD extensions (no AVX, FMA, F16C): the slow node.
+
+    A real slower machine, uniformly slower per layer; built once (about a minute) and cached.
+    """
+    version = pinned_version()
+    build = cache_dir() / "build" / f"bench-baseline-{version}"
+    binary = build / "ggml-rpc-server"
+    if binary.is_file():
+        return binary
+    print("building the baseline (no-SIMD) worker for the slow node, once …", flush=True)
+    project = worker_source(version, lambda _message, _fraction: None)
+    flags = [f"-DGGML_{flag}=OFF" for flag in ("NATIVE", "AVX", "AVX2", "AVX512", "FMA", "F16C", "SSE42", "BMI2")]
+    subprocess.run(["cmake", "-S", str(project), "-B", str(build), *generator(), *BASE_FLAGS, *flags],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "--target", "ggml-rpc-server", "--parallel",
+                    str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def generator() -> list[str]:
+    return ["-G", "Ninja"] if shutil.which("ninja") else []
+
+
+def start_worker(port: int, binary: Path | None = None) -> subprocess.Popen[bytes]:
+    """A ggml-rpc-server (this machine's build unless ``binary``), one thread, on loopback."""
+    command = [str(binary or worker_binary("cpu").path), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not listening(port):
+        time.sleep(0.05)
+    return process
+
+
+def decode_ms(model: Path, endpoints: Sequence[str], counts: Sequence[int], tokens: int) -> float:
+    """Measured ms/token of decode with ``counts`` layers per endpoint (only the nodes that hold layers)."""
+    used = [(endpoint, count) for endpoint, count in zip(endpoints, counts, strict=True) if count]
+    config = CoordinatorConfig(model=str(model), endpoints=tuple(endpoint for endpoint, _ in used),
+                               tensor_split=split_for_counts([count for _, count in used]), context=CONTEXT)
+    coordinator = subprocess.Popen([sys.executable, "-m", "core.coordinator", config.to_json()],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True, cwd=ROOT, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    assert coordinator.stdin is not None and coordinator.stdout is not None
+    try:
+        ready = json.loads(coordinator.stdout.readline())
+        if ready.get("event") != "ready":
+            raise RuntimeError(f"coordinator did not load: {ready}")
+        coordinator.stdin.write(json.dumps({"op": "generate", "id": 1, "prompt": PROMPT, "max_tokens": tokens}) + "\n")
+        coordinator.stdin.flush()
+        arrivals = []
+        while json.loads(coordinator.stdout.readline())["event"] != "done":
+            arrivals.append(time.perf_counter())
+        coordinator.stdin.write('{"op": "shutdown"}\n')
+        coordinator.stdin.close()
+        coordinator.wait(timeout=30)
+        # Steady-state decode: the first steps after the prompt batch allocate (the profiler skips them too).
+        steady = arrivals[WARMUP_TOKENS:]
+        return 1000 * (steady[-1] - steady[0]) / (len(steady) - 1)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
+
+
+def counts_of(plan: Plan) -> tuple[int, ...]:
+    return tuple(layers[1] - layers[0] + 1 if layers else 0 for layers in plan.layers)
+
+
+def predicted_ms(model: ModelFacts, counts: Sequence[int], speeds: Sequence[NodeSpeed], overhead_s: float,
+                 names: Sequence[str]) -> float:
+    plan = Plan(nodes=tuple(names), tensor_split=split_for_counts(counts), layers=tuple(
+        (sum(counts[:i]), sum(counts[:i]) + count - 1) if count else None for i, count in enumerate(counts)),
+        bytes_needed=(0,) * len(counts), strategy="")
+    return 1000 * (overhead_s + sum(predict_seconds(plan, speeds, model)))
+
+
+def feasible_splits(model: ModelFacts, capacities: Sequence[NodeCapacity]) -> list[tuple[int, ...]]:
+    """Every contiguous split (counts per node, in node order) whose memory fits."""
+    splits = []
+    for counts in itertools.product(range(model.n_layers + 1), repeat=len(capacities)):
+        if sum(counts) != model.n_layers:
+            continue
+        last = max(i for i, count in enumerate(counts) if count)
+        start, fits = 0, True
+        for i, count in enumerate(counts):
+            need = sum(model.layer_bytes[start:start + count]) + count * model.kv_bytes(CONTEXT)
+            fits &= need + (model.output_bytes if i == last else 0) <= capacities[i].usable
+            start += count
+        if fits:
+            splits.append(counts)
+    return splits
+
+
+async def profile_nodes(model: ModelFacts, names: Sequence[str], endpoints: Sequence[str],
+                        capacities: Sequence[NodeCapacity], cache: Path) -> tuple[list[NodeSpeed], float, float]:
+    """The nodes measured exactly as the controller does; returns speeds, coordinator share, seconds spent."""
+    targets = [Target(name, endpoint, profile_key([name, endpoint], "bench"), capacity.usable)
+               for name, endpoint, capacity in zip(names, endpoints, capacities, strict=True)]
+    started = time.monotonic()
+    profiles = await measure(model, targets, ProfileCache(cache), "bench-overhead", cache / "profile.log",
+                             refresh=True)
+    return profiles.speeds(model, names), profiles.overhead_s, time.monotonic() - started
+
+
+def show(label: str, counts: Sequence[int], measured: float, predicted: float) -> None:
+    error = (predicted - measured) / measured
+    print(f"  {label:<22} layers {tuple(counts)!s:<14} measured {measured:6.2f} ms/token "
+          f"({1000 / measured:6.1f} tok/s)  predicted {predicted:6.2f}  error {error:+.0%}", flush=True)
+
+
+def alternate(model_path: Path, endpoints: Sequence[str], candidates: dict[str, tuple[int, ...]], rounds: int,
+              tokens: int) -> dict[str, float]:
+    """Median ms/token of each candidate over ``rounds`` alternating rounds."""
+    samples: dict[str, list[float]] = {label: [] for label in candidates}
+    for _ in range(rounds):
+        for label, counts in candidates.items():
+            samples[label].append(decode_ms(model_path, endpoints, counts, tokens))
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def skewed(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache: Path) -> dict[str, float]:
+    names = ["fast", "slow", "far"]
+    layer = model.layer_bytes[0] + model.kv_bytes(CONTEXT)
+    caps = [64 * MIB + 5 * layer + model.output_bytes + 4 * MIB, 24 << 30, 8 << 30]
+    ports = [free_port() for _ in names]
+    workers = [start_worker(ports[0]), start_worker(ports[1], baseline_worker()), start_worker(ports[2])]
+    try:
+        with DelayProxy(ports[2], args.delay_ms / 1000) as proxy:
+            endpoints = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{proxy.port}"]
+            free = 64 << 30  # every worker here reports this machine's RAM; the caps make them differ
+            capacities = [NodeCapacity(name, free, cap) for name, cap in zip(names, caps, strict=True)]
+            speeds, overhead, spent = asyncio.run(profile_nodes(model, names, endpoints, capacities, cache))
+            print(f"skewed cluster: fast (cap {caps[0] / MIB:.0f} MiB), slow (no-SIMD build, cap 24 GiB), "
+                  f"far ({args.delay_ms:g} ms each way); profiled in {spent:.1f}s:")
+            for name, speed in zip(names, speeds, strict=True):
+                print(f"  {name:<5} fixed {speed.fixed_s * 1000:6.2f} ms  per layer {speed.per_layer_s * 1000:6.2f} ms"
+                      f"  output {speed.output_s * 1000:5.2f} ms")
+            print(f"  coordinator {overhead * 1000:.2f} ms/token")
+            plans = {
+                "memory (llama.cpp)": counts_of(plan_memory(model, capacities, CONTEXT)),
+                "equal": counts_of(plan_equal(model, capacities, CONTEXT)),
+                "compute (ours)": counts_of(plan_compute(model, capacities, speeds, CONTEXT)),
+            }
+            splits = feasible_splits(model, capacities)
+            print(f"brute force: {len(splits)} contiguous splits fit; measuring each once ({args.tokens} tokens)")
+            once = {counts: decode_ms(model_path, endpoints, counts, args.tokens) for counts in splits}
+            top = sorted(once, key=once.__getitem__)[:3]
+            print("  best three: " + ", ".join(f"{counts} {once[counts]:.2f} ms" for counts in top))
+            candidates = {**plans, **{f"brute force #{rank + 1}": counts for rank, counts in enumerate(top)}}
+            print(f"side by side, {args.rounds} alternating rounds, median:")
+            result = alternate(model_path, endpoints, candidates, args.rounds, args.tokens)
+            for label, counts in candidates.items():
+                show(label, counts, result[label], predicted_ms(model, counts, speeds, overhead, names))
+            best = min(value for label, value in result.items() if label.startswith("brute"))
+            result["brute force best"] = best
+            return result
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
+def identical(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache: Path) -> dict[str, float]:
+    names = ["a", "b", "c"]
+    ports = [free_port() for _ in names]
+    workers = [start_worker(port) for port in ports]
+    try:
+        endpoints = [f"127.0.0.1:{port}" for port in ports]
+        capacities = [NodeCapacity(name, 64 << 30, 8 << 30) for name in names]
+        speeds, overhead, spent = asyncio.run(profile_nodes(model, names, endpoints, capacities, cache))
+        print(f"identical workers (control), profiled in {spent:.1f}s; {args.rounds} alternating rounds, median:")
+        candidates = {"memory (llama.cpp)": counts_of(plan_memory(model, capacities, CONTEXT)),
+                      "compute (ours)": counts_of(plan_compute(model, capacities, speeds, CONTEXT))}
+        result = alternate(model_path, endpoints, candidates, args.rounds, args.tokens)
+        for label, counts in candidates.items():
+            show(label, counts, result[label], predicted_ms(model, counts, speeds, overhead, names))
+        return result
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=48, help="decoded per measurement (the first 4 not timed)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--delay-ms", type=float, default=4.0, help="one-way delay of the far worker's link")
+    args = parser.parse_args()
+    model_path = big_model(cache_dir() / "models" / "bench-8x1024.gguf")
+    model = read_model(model_path)
+    with tempfile.TemporaryDirectory(prefix="ggml-bench-") as folder:
+        cache = Path(folder)
+        skew = skewed(args, model_path, model, cache)
+        control = identical(args, model_path, model, cache)
+    print("ratios (tokens/s, from the side-by-side medians above):")
+    print(f"  skewed: compute / memory      = {skew['memory (llama.cpp)'] / skew['compute (ours)']:.2f}   (goal >= 2)")
+    print(f"  skewed: compute / brute best  = {skew['brute force best'] / skew['compute (ours)']:.2f}   (goal >= 0.90)")
+    print(f"  skewed: compute / equal       = {skew['equal'] / skew['compute (ours)']:.2f}")
+    print(f"  identical: compute / memory   = {control['memory (llama.cpp)'] / control['compute (ours)']:.2f}"
+          "   (goal >= 0.97)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""Node profiles: what a token costs on each node for this model, measured through its real worker.
+
+A node is measured by short timed runs: a copy of the model cut to its first few layers (the same tensors,
+types and vocabulary) is loaded with every layer on that node alone, and decode steps are timed at two
+depths. The slope is the node's time per byte of layer weights; the intercept is its fixed cost per token
+(round trips, dispatch), which also holds the output layer and the coordinator's own work per token.
+One extra run with two nodes separates the coordinator's share, so that a plan over several nodes
+counts it once. Results are cached per (node, model, build) and re-measured on request.
+
+The timed runs happen in a child process (``python -m core.profile``) for the same reason the
+coordinator is one: llama.cpp aborts when a worker goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from core.errors import PlanError, ProfileError
+from core.model import ModelFacts
+from core.planner import NodeSpeed, split_for_counts
+
+DEPTHS = (1, 3)        # layers on the node in the two timed runs
+WARMUP_TOKENS = 4      # first decode steps allocate and warm caches
+TIMED_TOKENS = 40
+JOB_TIMEOUT_S = 120.0  # one load and its timed steps; a big model over a slow link takes a while
+PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """One node's measured cost for one model and build."""
+
+    fixed_s: float           # seconds per token with layers on this node alone, less the layers' own time
+    seconds_per_byte: float  # of layer weights
+    measured_at: float
+    samples: int             # timed tokens behind each depth
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the cache and `status --json`."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One timed run: a cut model, and how many of its layers each endpoint holds."""
+
+    model: str
+    counts: tuple[int, ...]
+
+
+def model_fingerprint(path: Path) -> str:
+    """Identity of a model file without reading it all: resolved path, size and modification time."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def profile_key(node_identity: Sequence[object], model_id: str) -> str:
+    """Cache key of one node's profile: where it is, how its worker runs, which model."""
+    return hashlib.sha256(json.dumps([list(map(str, node_identity)), model_id]).encode()).hexdigest()[:24]
+
+
+class ProfileCache:
+    """Profiles on disk, one JSON file per key, written atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def load(self, key: str) -> NodeProfile | None:
+        """The cached profile, or None when missing or unreadable."""
+        try:
+            data = json.loads((self.root / f"{key}.json").read_text())
+            return NodeProfile(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def save(self, key: str, profile: NodeProfile) -> None:
+        """Store a profile (a reader never sees half a file)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        partial = self.root / f".{key}.{os.getpid()}.partial"
+        partial.write_text(json.dumps(profile.to_dict()))
+        partial.replace(self.root / f"{key}.json")
+
+    def load_overhead(self, key: str) -> float | None:
+        """The coordinator's measured share of a token, or None."""
+        try:
+            return float(json.loads((self.root / f"overhead-{key}.json").read_text())["overhead_s"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def save_overhead(self, key: str, seconds: float) -> None:
+        """Store the coordinator's share of a token."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        partial = self.root / f".overhead-{key}.{os.getpid()}.partial"
+        partial.write_text(json.dumps({"overhead_s": seconds, "measured_at": time.time()}))
+        partial.replace(self.root / f"overhead-{key}.json")
+
+
+def cut_model(source: Path, layers: int, folder: Path) -> Path:
+    """A copy of ``source`` with only its first ``layers`` blocks (written once, atomically)."""
+    import gguf
+
+    target = folder / f"{model_fingerprint(source)}-{layers}.gguf"
+    if target.is_file():
+        return target
+    reader = gguf.GGUFReader(source)
+    arch_field = reader.get_field("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else "llama"
+    block_key = f"{arch}.block_count"
+    block_field = reader.get_field(block_key)
+    total = int(str(block_field.contents())) if block_field is not None else 0
+    if not 0 < layers <= total:
+        raise PlanError(f"cannot cut {source.name} to {layers} layers: it has {total}")
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{target.name}.{os.getpid()}.partial"
+    writer = gguf.GGUFWriter(str(partial), arch=arch, endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.alignment") or field.name.startswith("GGUF."):
+            continue
+        value_type = field.types[0]
+        value = field.contents()
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        if field.name == block_key:
+            value = layers
+        elif sub_type is not None and isinstance(value, list) and len(value) == total:
+            value = value[:layers]  # per-layer arrays (head counts, sliding-window patterns)
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    kept = [tensor for tensor in reader.tensors
+            if not tensor.name.startswith("blk.") or int(tensor.name.split(".")[1]) < layers]
+    for tensor in kept:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                               tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in kept:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    partial.replace(target)
+    return target
+
+
+def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
+    """The two depths to time on a node with ``usable`` bytes; None when it cannot hold one layer.
+
+    A one-layer model, or a node that holds only one layer, can only be timed at one depth.
+    """
+    def fits(depth: int) -> bool:
+        need = sum(model.layer_bytes[:depth]) + depth * model.kv_bytes(PROFILE_CONTEXT) + model.output_bytes
+        return need <= usable
+
+    low = min(DEPTHS[0], model.n_layers)
+    if not fits(low):
+        return None
+    high = min(DEPTHS[1], model.n_layers)
+    while high > low and not fits(high):
+        high -= 1
+    return low, high
+
+
+def one_hot(n: int, index: int, layers: int) -> tuple[int, ...]:
+    """Layer counts with all ``layers`` on endpoint ``index``."""
+    return tuple(layers if i == index else 0 for i in range(n))
+
+
+def fit_node(model: ModelFacts, seconds: tuple[float, float], depths: tuple[int, int], samples: int) -> NodeProfile:
+    """Intercept and per-byte slope from the two timed depths (pure)."""
+    low, high = depths
+    if high > low:
+        layer_bytes = sum(model.layer_bytes[low:high])
+        per_byte = max(0.0, (seconds[1] - seconds[0]) / layer_bytes) if layer_bytes else 0.0
+        fixed = max(0.0, seconds[0] - per_byte * sum(model.layer_bytes[:low]))
+    else:
+        # One depth only: no slope to fit, so charge it all to the layers (never favours this node).
+        per_byte = seconds[0] / max(1, sum(model.layer_bytes[:low]))
+        fixed = 0.0
+    return NodeProfile(fixed_s=fixed, seconds_per_byte=per_byte, measured_at=time.time(), samples=samples)
+
+
+def output_seconds(model: ModelFacts, profile: NodeProfile) -> float:
+    """The output layer's time on a node, scaled from its layers by weight bytes (decode reads every byte)."""
+    return profile.seconds_per_byte * model.output_bytes
+
+
+def fit_overhead(model: ModelFacts, first: NodeProfile, second: NodeProfile, pair_s: float, depth: int) -> float:
+    """The coordinator's share of a token, from two nodes timed alone and together (pure).
+
+    Alone, each node's time holds the coordinator's share and its own output layer; together, both once.
+    """
+    alone = first.fixed_s + second.fixed_s + (first.seconds_per_byte + second.seconds_per_byte) * sum(
+        model.layer_bytes[:depth])
+    return max(0.0, alone - pair_s - output_seconds(model, first))
+
+
+def node_speed(model: ModelFacts, profile: NodeProfile | None, overhead_s: float) -> NodeSpeed:
+    """The planner's cost model of a node: fixed cost without the coordinator's share or the output layer.
+
+    A node without a profile could not hold a single layer; it can never be chosen.
+    """
+    if profile is None:
+        return NodeSpeed(fixed_s=math.inf, per_layer_s=0.0)
+    mean_layer = sum(model.layer_bytes) / model.n_layers
+    output = output_seconds(model, profile)
+    return NodeSpeed(fixed_s=max(0.0, profile.fixed_s - overhead_s - output),
+                     per_layer_s=profile.seconds_per_byte * mean_layer, output_s=output)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A node to measure: its worker's endpoint, its cache key and the bytes it may hold."""
+
+    name: str
+    endpoint: str
+    key: str
+    usable: int
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """Every node's profile (None: it cannot hold a layer) and the coordinator's share of a token."""
+
+    nodes: dict[str, NodeProfile | None]
+    overhead_s: float
+    measured: tuple[str, ...]  # nodes timed now rather than read from the cache
+
+    def speeds(self, model: ModelFacts, names: Sequence[str]) -> list[NodeSpeed]:
+        """The planner's cost model of each named node."""
+        return [node_speed(model, self.nodes.get(name), self.overhead_s) for name in names]
+
+
+async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCache, overhead_key: str,
+                  log_path: Path, *, threads: int = 1, refresh: bool = False) -> Profiles:
+    """Profiles of ``targets`` from the cache, timing the missing ones (all of them with ``refresh``)."""
+    nodes: dict[str, NodeProfile | None] = {}
+    if not refresh:
+        nodes = {target.name: profile for target in targets if (profile := cache.load(target.key)) is not None}
+    overhead = None if refresh else cache.load_overhead(overhead_key)
+    depths = {target.name: depths_for(model, target.usable) for target in targets}
+    for target in targets:
+        if depths[target.name] is None:
+            nodes[target.name] = None
+    todo = [index for index, target in enumerate(targets) if target.name not in nodes]
+    endpoints = [target.endpoint for target in targets]
+    low = min(DEPTHS[0], model.n_layers)
+    cut_folder = cache.root / "models"
+    if todo:
+        wanted = sorted({depth for index in todo for depth in depths[targets[index].name] or ()})
+        cut = {depth: str(await asyncio.to_thread(cut_model, model.path, depth, cut_folder)) for depth in wanted}
+        jobs = [Job(cut[depth], one_hot(len(targets), index, depth))
+                for index in todo for depth in depths[targets[index].name] or ()]
+        seconds = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs))
+        for position, index in enumerate(todo):
+            target = targets[index]
+            node_depths = depths[target.name] or (low, low)
+            profile = fit_node(model, (seconds[2 * position], seconds[2 * position + 1]), node_depths, TIMED_TOKENS)
+            cache.save(target.key, profile)
+            nodes[target.name] = profile
+    timed = [index for index, target in enumerate(targets) if nodes.get(target.name) is not None]
+    if overhead is None and len(timed) > 1 and 2 * low <= model.n_layers:
+        # The two steadiest nodes (least time alone): a slow or throttled one would bury the coordinator's share.
+        def alone(index: int) -> float:
+            profile = nodes[targets[index].name]
+            assert profile is not None
+            return profile.fixed_s + profile.seconds_per_byte * sum(model.layer_bytes[:low])
+
+        first, second = sorted(sorted(timed, key=alone)[:2])
+        counts = [0] * len(targets)
+        counts[first] = counts[second] = low
+        pair_model = str(await asyncio.to_thread(cut_model, model.path, 2 * low, cut_folder))
+        [pair_s] = await run_jobs(endpoints, [Job(pair_model, tuple(counts))], threads, log_path, JOB_TIMEOUT_S)
+        first_profile, second_profile = nodes[targets[first].name], nodes[targets[second].name]
+        assert first_profile is not None and second_profile is not None
+        overhead = fit_overhead(model, first_profile, second_profile, pair_s, low)
+        cache.save_overhead(overhead_key, overhead)
+    return Profiles(nodes, overhead or 0.0, tuple(targets[index].name for index in todo))
+
+
+async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, log_path: Path,
+                   timeout: float) -> list[float]:
+    """Run the timed jobs in a child process; median seconds per token of each job."""
+    config = {"endpoints": list(endpoints), "threads": threads,
+              "jobs": [{"model": job.model, "counts": list(job.counts)} for job in jobs]}
+    root = Path(__file__).resolve().parent.parent
+    with log_path.open("ab") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "core.profile", json.dumps(config), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=log, cwd=str(root), env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    assert process.stdout is not None
+    results: list[float] = []
+    try:
+        async with asyncio.timeout(timeout):
+            async for line in process.stdout:
+                answer = json.loads(line)
+                if answer.get("event") == "token":
+                    continue  # the per-token events a step writes, as the coordinator does
+                if "error" in answer:
+                    raise ProfileError(f"profiling failed: {answer['error']}", f"see {log_path}")
+                results.append(float(answer["seconds"]))
+            code = await process.wait()
+    except TimeoutError:
+        raise ProfileError(f"profiling took longer than {timeout:g}s", f"see {log_path}") from None
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    if len(results) != len(jobs):
+        raise ProfileError(f"the profiler exited with {code} after {len(results)} of {len(jobs)} runs "
+                           "(a worker went away?)", f"see {log_path}")
+    return results
+
+
+# --- the child process --------------------------------------------------------------------------------
+
+
+def time_job(job: Job, threads: int, warmup: int, tokens: int, out: IO[str]) -> list[float]:
+    """Seconds of each timed decode step with the job's layout (runs in the child).
+
+    A step does what the coordinator does per token, writing the same event to ``out``, so that the
+    measured time is the time a token costs when the cluster serves.
+    """
+    import llama_cpp
+
+    from core.coordinator import choose_token, emit
+
+    llm = llama_cpp.Llama(model_path=job.model, n_gpu_layers=-1, tensor_split=list(split_for_counts(job.counts)),
+                          n_ctx=PROFILE_CONTEXT, n_threads=threads, n_threads_batch=threads, verbose=False)
+    try:
+        n_vocab = llm.n_vocab()
+
+        def logits() -> np.ndarray:
+            # Reading the logits waits for the graph: llama_decode itself may return before it is done.
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        llm.eval([llm.token_bos()])
+        current = logits()
+        steps = []
+        for _ in range(warmup + tokens):
+            started = time.perf_counter()
+            token = choose_token(current, 0.0, None)
+            emit(out, {"event": "token", "token": token, "text": decoder.decode(llm.detokenize([token]))})
+            llm.eval([token])
+            current = logits()
+            steps.append(time.perf_counter() - started)
+        return steps[warmup:]
+    finally:
+        llm.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the profiling child: one JSON line per job, ``{"job", "seconds"}`` or ``{"job", "error"}``."""
+    parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
+    parser.add_argument("config", help='{"endpoints": [...], "jobs": [{"model", "counts"}], "threads", ...}')
+    config = json.loads(parser.parse_args(argv).config)
+    from core.coordinator import register_rpc_servers
+
+    try:
+        register_rpc_servers(tuple(config["endpoints"]))
+    except (RuntimeError, OSError) as exc:
+        print(json.dumps({"job": None, "error": str(exc)}), flush=True)
+        return 1
+    for index, raw in enumerate(config["jobs"]):
+        job = Job(raw["model"], tuple(raw["counts"]))
+        try:
+            steps = time_job(job, int(config.get("threads", 1)), int(config.get("warmup", WARMUP_TOKENS)),
+                             int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
+            # The mean, not the median: a throttled or shared node is slow in bursts, and every burst costs.
+            print(json.dumps({"job": index, "seconds": statistics.fmean(steps), "samples": len(steps)}), flush=True)
+        except (RuntimeError, ValueError, OSError) as exc:
+            print(json.dumps({"job": index, "error": str(exc)}), flush=True)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

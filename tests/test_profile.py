@@ -1,0 +1,121 @@
+"""Node profiles: the cut model, the fits from timed runs, the cache (pure or file-only; no workers)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from core.model import ModelFacts, read_model, write_demo_model
+from core.planner import NodeCapacity, plan_compute
+from core.profile import (
+    NodeProfile,
+    ProfileCache,
+    cut_model,
+    depths_for,
+    fit_node,
+    fit_overhead,
+    model_fingerprint,
+    node_speed,
+    profile_key,
+)
+
+MIB = 1 << 20
+
+
+def facts(n_layers: int = 8, layer: int = 10 * MIB, output: int = 2 * MIB) -> ModelFacts:
+    return ModelFacts(path=Path("m.gguf"), name="m.gguf", architecture="llama", n_layers=n_layers, n_embd=64,
+                      layer_bytes=(layer,) * n_layers, output_bytes=output, input_bytes=MIB,
+                      kv_bytes_per_token_layer=0)
+
+
+def test_cut_model_keeps_the_first_layers_and_everything_else(tmp_path: Path) -> None:
+    source = write_demo_model(tmp_path / "demo.gguf", n_layers=4)
+    full = read_model(source)
+    cut = read_model(cut_model(source, 2, tmp_path / "cut"))
+    assert cut.n_layers == 2
+    assert cut.layer_bytes == full.layer_bytes[:2]
+    assert (cut.output_bytes, cut.input_bytes, cut.kv_bytes_per_token_layer) == (
+        full.output_bytes, full.input_bytes, full.kv_bytes_per_token_layer)
+    assert cut_model(source, 2, tmp_path / "cut") == cut.path  # written once
+    assert not list((tmp_path / "cut").glob(".*partial"))
+
+
+def test_cut_model_loads_in_llama_cpp(tmp_path: Path) -> None:
+    import llama_cpp
+
+    source = write_demo_model(tmp_path / "demo.gguf", n_layers=4)
+    llm = llama_cpp.Llama(model_path=str(cut_model(source, 1, tmp_path)), n_ctx=64, verbose=False)
+    try:
+        assert llm.n_vocab() > 300
+        llm.eval(llm.tokenize(b"the cluster"))
+    finally:
+        llm.close()
+
+
+def test_fit_node_separates_fixed_cost_from_layers() -> None:
+    model = facts()
+    # 2 ms fixed, 1.5 ms per 10 MiB layer: 3.5 ms with one layer, 6.5 ms with three.
+    profile = fit_node(model, (0.0035, 0.0065), (1, 3), 40)
+    assert profile.fixed_s == pytest.approx(0.002)
+    assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.0015)
+
+
+def test_fit_node_with_one_depth_charges_everything_to_the_layers() -> None:
+    profile = fit_node(facts(n_layers=1), (0.004, 0.004), (1, 1), 40)
+    assert profile.fixed_s == 0.0
+    assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.004)
+
+
+def test_overhead_is_what_two_nodes_alone_count_twice() -> None:
+    model = facts()
+    # Each node alone: 1 ms coordinator + 1 ms own fixed + its output layer, and 1 ms per layer.
+    per_byte = 0.001 / (10 * MIB)
+    output = per_byte * model.output_bytes
+    alone = NodeProfile(fixed_s=0.002 + output, seconds_per_byte=per_byte, measured_at=0, samples=1)
+    # Together (one layer each): coordinator once, both fixed costs, both layers, one output.
+    pair = 0.001 + 0.002 + 0.002 + output
+    assert fit_overhead(model, alone, alone, pair, 1) == pytest.approx(0.001)
+    speed = node_speed(model, alone, 0.001)
+    assert speed.fixed_s == pytest.approx(0.001)
+    assert speed.output_s == pytest.approx(output)
+    assert speed.per_layer_s == pytest.approx(0.001)
+
+
+def test_depths_fit_the_node() -> None:
+    model = facts()
+    assert depths_for(model, 100 * MIB) == (1, 3)
+    assert depths_for(model, 23 * MIB) == (1, 2)
+    assert depths_for(model, 11 * MIB) is None  # one layer and the output do not fit
+
+
+def test_a_node_that_cannot_hold_a_layer_is_never_chosen() -> None:
+    model = facts()
+    fast = fit_node(model, (0.002, 0.004), (1, 3), 1)
+    speeds = [node_speed(model, None, 0.0), node_speed(model, fast, 0.0)]
+    assert math.isinf(speeds[0].fixed_s)
+    plan = plan_compute(model, [NodeCapacity("tiny", 1 << 30), NodeCapacity("big", 1 << 30)], speeds, 64)
+    assert plan.layers[0] is None
+
+
+def test_cache_round_trip_and_keys(tmp_path: Path) -> None:
+    cache = ProfileCache(tmp_path)
+    profile = NodeProfile(fixed_s=0.001, seconds_per_byte=1e-10, measured_at=1.0, samples=40)
+    key = profile_key(["gpu", "ssh", "10.0.0.2", 22], "model-a")
+    assert cache.load(key) is None
+    cache.save(key, profile)
+    assert cache.load(key) == profile
+    assert profile_key(["gpu", "ssh", "10.0.0.2", 22], "model-b") != key  # another model, another profile
+    (tmp_path / f"{key}.json").write_text("{broken")
+    assert cache.load(key) is None  # a damaged entry is measured again, not an error
+    cache.save_overhead("c", 0.0005)
+    assert cache.load_overhead("c") == 0.0005
+
+
+def test_model_fingerprint_changes_with_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"one")
+    first = model_fingerprint(path)
+    path.write_bytes(b"other")
+    assert model_fingerprint(path) != first
