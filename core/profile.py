@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import codecs
+import contextlib
 import hashlib
 import json
 import math
@@ -30,7 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from core.errors import PlanError, ProfileError
+from core.errors import ProfileError
 from core.model import ModelFacts
 from core.planner import NodeSpeed, split_for_counts
 
@@ -112,11 +113,26 @@ class ProfileCache:
 
 def cut_model(source: Path, layers: int, folder: Path) -> Path:
     """A copy of ``source`` with only its first ``layers`` blocks (written once, atomically)."""
-    import gguf
-
     target = folder / f"{model_fingerprint(source)}-{layers}.gguf"
     if target.is_file():
         return target
+    partial = folder / f".{target.name}.{os.getpid()}.partial"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_cut(source, layers, partial)
+        partial.replace(target)
+    except OSError as exc:
+        raise ProfileError(f"cannot write a cut copy of {source.name} into {folder}: {exc}",
+                           "fix: free disk space there or set $GGML_CLUSTER_CACHE_DIR") from None
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+    return target
+
+
+def _write_cut(source: Path, layers: int, path: Path) -> None:
+    import gguf
+
     reader = gguf.GGUFReader(source)
     arch_field = reader.get_field("general.architecture")
     arch = str(arch_field.contents()) if arch_field is not None else "llama"
@@ -124,10 +140,8 @@ def cut_model(source: Path, layers: int, folder: Path) -> Path:
     block_field = reader.get_field(block_key)
     total = int(str(block_field.contents())) if block_field is not None else 0
     if not 0 < layers <= total:
-        raise PlanError(f"cannot cut {source.name} to {layers} layers: it has {total}")
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{target.name}.{os.getpid()}.partial"
-    writer = gguf.GGUFWriter(str(partial), arch=arch, endianess=reader.endianess)
+        raise ProfileError(f"cannot cut {source.name} to {layers} layers: it has {total}")
+    writer = gguf.GGUFWriter(str(path), arch=arch, endianess=reader.endianess)
     for field in reader.fields.values():
         if field.name in ("general.architecture", "general.alignment") or field.name.startswith("GGUF."):
             continue
@@ -150,8 +164,6 @@ def cut_model(source: Path, layers: int, folder: Path) -> Path:
     for tensor in kept:
         writer.write_tensor_data(tensor.data)
     writer.close()
-    partial.replace(target)
-    return target
 
 
 def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
@@ -304,7 +316,10 @@ async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, 
     try:
         async with asyncio.timeout(timeout):
             async for line in process.stdout:
-                answer = json.loads(line)
+                try:
+                    answer = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # not ours: llama.cpp writes to stdout on some paths
                 if answer.get("event") == "token":
                     continue  # the per-token events a step writes, as the coordinator does
                 if "error" in answer:

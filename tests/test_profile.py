@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ProfileError
 from core.model import ModelFacts, read_model, write_demo_model
 from core.planner import NodeCapacity, plan_compute
 from core.profile import (
@@ -40,6 +41,13 @@ def test_cut_model_keeps_the_first_layers_and_everything_else(tmp_path: Path) ->
         full.output_bytes, full.input_bytes, full.kv_bytes_per_token_layer)
     assert cut_model(source, 2, tmp_path / "cut") == cut.path  # written once
     assert not list((tmp_path / "cut").glob(".*partial"))
+
+
+def test_cut_model_that_cannot_be_written_is_a_profile_error(tmp_path: Path) -> None:
+    source = write_demo_model(tmp_path / "demo.gguf", n_layers=2)
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ProfileError, match=r"cannot write a cut copy of demo.gguf .*fix: free disk space"):
+        cut_model(source, 1, tmp_path / "file" / "cut")
 
 
 def test_cut_model_loads_in_llama_cpp(tmp_path: Path) -> None:
