@@ -15,7 +15,7 @@ re-measured in alternating rounds, so the ratio compares numbers taken side by s
 identical-workers control (three plain workers, equal memory): compute against memory.
 Predicted ms/token (from the profiles) is printed next to each measured plan.
 
-    .venv/bin/python bench/sharding.py [--tokens 48] [--rounds 3] [--delay-ms 4]
+    .venv/bin/python bench/sharding.py [--tokens 64] [--rounds 5] [--delay-ms 4]
 
 (A CPU quota was tried for the slow node and dropped: under a light load a throttled worker runs at full
 speed between refills, so its cost per layer depends on how busy it is, which no per-layer profile captures.)
@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -90,6 +91,11 @@ class DelayProxy:
         self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
         self._started.set()
         self._loop.run_forever()
+        pending = asyncio.all_tasks(self._loop)  # open connections: end them quietly
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.close()
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
@@ -213,15 +219,14 @@ def feasible_splits(model: ModelFacts, capacities: Sequence[NodeCapacity]) -> li
     return splits
 
 
-async def profile_nodes(model: ModelFacts, names: Sequence[str], endpoints: Sequence[str],
-                        capacities: Sequence[NodeCapacity], cache: Path) -> tuple[list[NodeSpeed], float, float]:
+async def profile_nodes(cluster: Cluster) -> tuple[list[NodeSpeed], float, float]:
     """The nodes measured exactly as the controller does; returns speeds, coordinator share, seconds spent."""
     targets = [Target(name, endpoint, profile_key([name, endpoint], "bench"), capacity.usable)
-               for name, endpoint, capacity in zip(names, endpoints, capacities, strict=True)]
+               for name, endpoint, capacity in zip(cluster.names, cluster.endpoints, cluster.capacities, strict=True)]
     started = time.monotonic()
-    profiles = await measure(model, targets, ProfileCache(cache), "bench-overhead", cache / "profile.log",
-                             refresh=True)
-    return profiles.speeds(model, names), profiles.overhead_s, time.monotonic() - started
+    profiles = await measure(cluster.model, targets, ProfileCache(cluster.cache), "bench-overhead",
+                             cluster.cache / "profile.log", refresh=True)
+    return profiles.speeds(cluster.model, cluster.names), profiles.overhead_s, time.monotonic() - started
 
 
 def show(label: str, counts: Sequence[int], measured: float, predicted: float) -> None:
@@ -230,14 +235,44 @@ def show(label: str, counts: Sequence[int], measured: float, predicted: float) -
           f"({1000 / measured:6.1f} tok/s)  predicted {predicted:6.2f}  error {error:+.0%}", flush=True)
 
 
-def alternate(model_path: Path, endpoints: Sequence[str], candidates: dict[str, tuple[int, ...]], rounds: int,
-              tokens: int) -> dict[str, float]:
-    """Median ms/token of each candidate over ``rounds`` alternating rounds."""
-    samples: dict[str, list[float]] = {label: [] for label in candidates}
+@dataclass(frozen=True)
+class Cluster:
+    """The nodes under test, as the planner and the profiler see them."""
+
+    model_path: Path
+    model: ModelFacts
+    names: list[str]
+    endpoints: list[str]
+    capacities: list[NodeCapacity]
+    cache: Path
+
+
+def alternate(cluster: Cluster, candidates: dict[str, tuple[int, ...]], rounds: int, tokens: int
+              ) -> tuple[dict[str, float], dict[str, float]]:
+    """Median measured and predicted ms/token of each candidate over ``rounds`` alternating rounds.
+
+    The nodes are profiled again at the start of every round, so each prediction is made next to the
+    measurement it is compared with (this shared machine drifts over minutes).
+    """
+    splits = list(dict.fromkeys(candidates.values()))  # a plan two candidates share is measured once
+    measured: dict[tuple[int, ...], list[float]] = {counts: [] for counts in splits}
+    predicted: dict[tuple[int, ...], list[float]] = {counts: [] for counts in splits}
     for _ in range(rounds):
-        for label, counts in candidates.items():
-            samples[label].append(decode_ms(model_path, endpoints, counts, tokens))
-    return {label: statistics.median(values) for label, values in samples.items()}
+        speeds, overhead, _ = asyncio.run(profile_nodes(cluster))
+        for counts in splits:
+            measured[counts].append(decode_ms(cluster.model_path, cluster.endpoints, counts, tokens))
+            predicted[counts].append(predicted_ms(cluster.model, counts, speeds, overhead, cluster.names))
+    return ({label: statistics.median(measured[counts]) for label, counts in candidates.items()},
+            {label: statistics.median(predicted[counts]) for label, counts in candidates.items()})
+
+
+def compare(cluster: Cluster, candidates: dict[str, tuple[int, ...]], args: argparse.Namespace) -> dict[str, float]:
+    """Measure the candidates side by side and print measured against predicted."""
+    print(f"side by side, {args.rounds} alternating rounds (nodes profiled again before each), median:")
+    measured, predicted = alternate(cluster, candidates, args.rounds, args.tokens)
+    for label, counts in candidates.items():
+        show(label, counts, measured[label], predicted[label])
+    return measured
 
 
 def skewed(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache: Path) -> dict[str, float]:
@@ -251,9 +286,10 @@ def skewed(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache:
             endpoints = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{proxy.port}"]
             free = 64 << 30  # every worker here reports this machine's RAM; the caps make them differ
             capacities = [NodeCapacity(name, free, cap) for name, cap in zip(names, caps, strict=True)]
-            speeds, overhead, spent = asyncio.run(profile_nodes(model, names, endpoints, capacities, cache))
+            cluster = Cluster(model_path, model, names, endpoints, capacities, cache)
+            speeds, overhead, spent = asyncio.run(profile_nodes(cluster))
             print(f"skewed cluster: fast (cap {caps[0] / MIB:.0f} MiB), slow (no-SIMD build, cap 24 GiB), "
-                  f"far ({args.delay_ms:g} ms each way); profiled in {spent:.1f}s:")
+                  f"far ({args.delay_ms:g} ms each way); profiled in {spent:.1f}s, as `up` does:")
             for name, speed in zip(names, speeds, strict=True):
                 print(f"  {name:<5} fixed {speed.fixed_s * 1000:6.2f} ms  per layer {speed.per_layer_s * 1000:6.2f} ms"
                       f"  output {speed.output_s * 1000:5.2f} ms")
@@ -269,12 +305,8 @@ def skewed(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache:
             top = sorted(once, key=once.__getitem__)[:3]
             print("  best three: " + ", ".join(f"{counts} {once[counts]:.2f} ms" for counts in top))
             candidates = {**plans, **{f"brute force #{rank + 1}": counts for rank, counts in enumerate(top)}}
-            print(f"side by side, {args.rounds} alternating rounds, median:")
-            result = alternate(model_path, endpoints, candidates, args.rounds, args.tokens)
-            for label, counts in candidates.items():
-                show(label, counts, result[label], predicted_ms(model, counts, speeds, overhead, names))
-            best = min(value for label, value in result.items() if label.startswith("brute"))
-            result["brute force best"] = best
+            result = compare(cluster, candidates, args)
+            result["brute force best"] = min(value for label, value in result.items() if label.startswith("brute"))
             return result
     finally:
         for worker in workers:
@@ -289,14 +321,11 @@ def identical(args: argparse.Namespace, model_path: Path, model: ModelFacts, cac
     try:
         endpoints = [f"127.0.0.1:{port}" for port in ports]
         capacities = [NodeCapacity(name, 64 << 30, 8 << 30) for name in names]
-        speeds, overhead, spent = asyncio.run(profile_nodes(model, names, endpoints, capacities, cache))
-        print(f"identical workers (control), profiled in {spent:.1f}s; {args.rounds} alternating rounds, median:")
-        candidates = {"memory (llama.cpp)": counts_of(plan_memory(model, capacities, CONTEXT)),
-                      "compute (ours)": counts_of(plan_compute(model, capacities, speeds, CONTEXT))}
-        result = alternate(model_path, endpoints, candidates, args.rounds, args.tokens)
-        for label, counts in candidates.items():
-            show(label, counts, result[label], predicted_ms(model, counts, speeds, overhead, names))
-        return result
+        cluster = Cluster(model_path, model, names, endpoints, capacities, cache)
+        speeds, _, spent = asyncio.run(profile_nodes(cluster))
+        print(f"identical workers (control), profiled in {spent:.1f}s")
+        return compare(cluster, {"memory (llama.cpp)": counts_of(plan_memory(model, capacities, CONTEXT)),
+                                 "compute (ours)": counts_of(plan_compute(model, capacities, speeds, CONTEXT))}, args)
     finally:
         for worker in workers:
             worker.kill()
@@ -305,8 +334,8 @@ def identical(args: argparse.Namespace, model_path: Path, model: ModelFacts, cac
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=48, help="decoded per measurement (the first 4 not timed)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64, help="decoded per measurement (the first 4 not timed)")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--delay-ms", type=float, default=4.0, help="one-way delay of the far worker's link")
     args = parser.parse_args()
     model_path = big_model(cache_dir() / "models" / "bench-8x1024.gguf")

@@ -243,6 +243,8 @@ def check(
 def plan(
     strategy: Annotated[str | None, typer.Option(
         help="compute (by measured speed), memory (llama.cpp's default) or equal; default: the inventory's.")] = None,
+    objective: Annotated[str | None, typer.Option(
+        help="For compute: latency (time per token) or throughput (bottleneck); default: the inventory's.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Show the layer plan for the running cluster and why each node got its part (changes nothing)."""
@@ -251,7 +253,10 @@ def plan(
     if chosen not in client.STRATEGIES:
         err.print(f"[red]error:[/red] --strategy {chosen}: use one of {', '.join(client.STRATEGIES)}")
         raise typer.Exit(2)
-    result, rows = _execute(client.explain_plan(inventory, chosen))
+    if objective not in (None, "latency", "throughput"):
+        err.print(f"[red]error:[/red] --objective {objective}: use latency or throughput")
+        raise typer.Exit(2)
+    result, rows = _execute(client.explain_plan(inventory, chosen, objective))
     _print_plan(result, rows, as_json)
 
 

@@ -375,8 +375,8 @@ def snapshot_speeds(snapshot: ClusterStatus, nodes: list[NodeStatus], model: Mod
     return speeds, (snapshot.overhead_ms or 0.0) / 1000
 
 
-def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str
-              ) -> tuple[Plan, list[PlanRow]]:
+def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str,
+              objective: str | None = None) -> tuple[Plan, list[PlanRow]]:
     """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part."""
     caps = {node.name: node.memory for node in inventory.nodes}
     usable = [node for node in snapshot.nodes if node.state != NodeState.FAILED and node.mem_total]
@@ -387,7 +387,7 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
             raise PlanError("the nodes' speeds have not been measured (the cluster runs the "
                             f"'{snapshot.strategy or inventory.strategy}' strategy)",
                             "fix: run `ggml-cluster profile` to measure them")
-        plan = plan_compute(model, capacities, measured[0], inventory.context, inventory.objective)
+        plan = plan_compute(model, capacities, measured[0], inventory.context, objective or inventory.objective)
     else:
         plan = (plan_memory if strategy == "memory" else plan_equal)(model, capacities, inventory.context)
     if measured is not None:
@@ -401,7 +401,7 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
                    context=inventory.context)
-        predicted = plan.predicted_s[index] * 1000 if plan.predicted_s else None
+        predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
                             capacities[index].usable, why, predicted))
     return plan, rows
@@ -433,7 +433,8 @@ def _size(size: int) -> str:
     return f"{size / (1 << 20):.0f} MiB"
 
 
-async def explain_plan(inventory: Inventory, strategy: str) -> tuple[Plan, list[PlanRow]]:
+async def explain_plan(inventory: Inventory, strategy: str, objective: str | None = None
+                       ) -> tuple[Plan, list[PlanRow]]:
     """`plan`: the running cluster's measured memory and speed, planned with ``strategy`` (nothing changes)."""
     state = state_for(inventory)
     try:
@@ -442,7 +443,7 @@ async def explain_plan(inventory: Inventory, strategy: str) -> tuple[Plan, list[
         raise ConnectError(f"cluster '{inventory.cluster}' is not running; `plan` uses its workers' measured "
                            "memory and speed", "fix: run `ggml-cluster up` first") from None
     model = read_model(Path(json.loads(state.launch.read_text())["model"]))
-    return plan_rows(snapshot, inventory, model, strategy)
+    return plan_rows(snapshot, inventory, model, strategy, objective)
 
 
 async def reprofile(inventory: Inventory) -> ClusterStatus:

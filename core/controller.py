@@ -453,7 +453,6 @@ class Controller:
         targets = [self._profile_target(r, c) for r, c in zip(usable, capacities, strict=True)]
         refresh, self._reprofile = self._reprofile, False
         overhead_key = profile_key(["coordinator", platform.node(), 1], self._model_id)
-        self.coordinator.last_error = ""
         try:
             profiles = await measure(self.model, targets, self._profile_cache, overhead_key,
                                      self.state.profile_log, refresh=refresh)

@@ -66,7 +66,7 @@ class Plan:
             "strategy": self.strategy,
             "nodes": [
                 {"name": name, "split": split, "layers": list(layers) if layers else None, "bytes": need,
-                 "predicted_ms": None if share is None else share * 1000}
+                 "predicted_ms": share * 1000 if share is not None and layers else None}
                 for name, split, layers, need, share in zip(
                     self.nodes, self.tensor_split, self.layers, self.bytes_needed, predicted, strict=True)
             ],

@@ -1,8 +1,8 @@
 """Node profiles: what a token costs on each node for this model, measured through its real worker.
 
-A node is measured by short timed runs: a copy of the model cut to its first few layers (the same tensors,
-types and vocabulary) is loaded with every layer on that node alone, and decode steps are timed at two
-depths. The slope is the node's time per byte of layer weights; the intercept is its fixed cost per token
+A node is measured by short timed runs: two copies of the model cut to its first 1 and 4 layers (the same
+tensors, types and vocabulary) are loaded with every layer on that node alone, and their decode steps are
+timed in turn, side by side, so that drift of the machine cancels out of the difference. The slope is the node's time per byte of layer weights; the intercept is its fixed cost per token
 (round trips, dispatch), which also holds the output layer and the coordinator's own work per token.
 One extra run with two nodes separates the coordinator's share, so that a plan over several nodes
 counts it once. Results are cached per (node, model, build) and re-measured on request.
@@ -35,9 +35,9 @@ from core.errors import ProfileError
 from core.model import ModelFacts
 from core.planner import NodeSpeed, split_for_counts
 
-DEPTHS = (1, 3)        # layers on the node in the two timed runs
+DEPTHS = (1, 4)        # layers on the node in the two layouts timed side by side
 WARMUP_TOKENS = 4      # first decode steps allocate and warm caches
-TIMED_TOKENS = 40
+TIMED_TOKENS = 64
 JOB_TIMEOUT_S = 120.0  # one load and its timed steps; a big model over a slow link takes a while
 PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
 
@@ -57,11 +57,19 @@ class NodeProfile:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One timed run: a cut model, and how many of its layers each endpoint holds."""
+class Layout:
+    """A model file and how many of its layers each endpoint holds."""
 
     model: str
     counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Layouts loaded together and timed one decode step of each in turn, so the machine's drift hits
+    them alike and cancels out of their difference."""
+
+    layouts: tuple[Layout, ...]
 
 
 def model_fingerprint(path: Path) -> str:
@@ -171,15 +179,14 @@ def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
 
     A one-layer model, or a node that holds only one layer, can only be timed at one depth.
     """
-    def fits(depth: int) -> bool:
-        need = sum(model.layer_bytes[:depth]) + depth * model.kv_bytes(PROFILE_CONTEXT) + model.output_bytes
-        return need <= usable
+    def need(depth: int) -> int:
+        return sum(model.layer_bytes[:depth]) + depth * model.kv_bytes(PROFILE_CONTEXT) + model.output_bytes
 
     low = min(DEPTHS[0], model.n_layers)
-    if not fits(low):
+    if need(low) > usable:
         return None
     high = min(DEPTHS[1], model.n_layers)
-    while high > low and not fits(high):
+    while high > low and need(low) + need(high) > usable:  # both are loaded at once
         high -= 1
     return low, high
 
@@ -272,13 +279,14 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
     if todo:
         wanted = sorted({depth for index in todo for depth in depths[targets[index].name] or ()})
         cut = {depth: str(await asyncio.to_thread(cut_model, model.path, depth, cut_folder)) for depth in wanted}
-        jobs = [Job(cut[depth], one_hot(len(targets), index, depth))
-                for index in todo for depth in depths[targets[index].name] or ()]
+        jobs = [Job(tuple(Layout(cut[depth], one_hot(len(targets), index, depth))
+                          for depth in depths[targets[index].name] or ()))
+                for index in todo]
         seconds = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs))
-        for position, index in enumerate(todo):
+        for timed_s, index in zip(seconds, todo, strict=True):
             target = targets[index]
             node_depths = depths[target.name] or (low, low)
-            profile = fit_node(model, (seconds[2 * position], seconds[2 * position + 1]), node_depths, TIMED_TOKENS)
+            profile = fit_node(model, (timed_s[0], timed_s[1]), node_depths, TIMED_TOKENS)
             cache.save(target.key, profile)
             nodes[target.name] = profile
     timed = [index for index, target in enumerate(targets) if nodes.get(target.name) is not None]
@@ -293,7 +301,8 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         counts = [0] * len(targets)
         counts[first] = counts[second] = low
         pair_model = str(await asyncio.to_thread(cut_model, model.path, 2 * low, cut_folder))
-        [pair_s] = await run_jobs(endpoints, [Job(pair_model, tuple(counts))], threads, log_path, JOB_TIMEOUT_S)
+        [[pair_s]] = await run_jobs(endpoints, [Job((Layout(pair_model, tuple(counts)),))], threads, log_path,
+                                    JOB_TIMEOUT_S)
         first_profile, second_profile = nodes[targets[first].name], nodes[targets[second].name]
         assert first_profile is not None and second_profile is not None
         overhead = fit_overhead(model, first_profile, second_profile, pair_s, low)
@@ -302,17 +311,18 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
 
 
 async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, log_path: Path,
-                   timeout: float) -> list[float]:
-    """Run the timed jobs in a child process; median seconds per token of each job."""
+                   timeout: float) -> list[list[float]]:
+    """Run the timed jobs in a child process; mean seconds per token of each layout of each job."""
     config = {"endpoints": list(endpoints), "threads": threads,
-              "jobs": [{"model": job.model, "counts": list(job.counts)} for job in jobs]}
+              "jobs": [[{"model": layout.model, "counts": list(layout.counts)} for layout in job.layouts]
+                       for job in jobs]}
     root = Path(__file__).resolve().parent.parent
     with log_path.open("ab") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "core.profile", json.dumps(config), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=log, cwd=str(root), env={**os.environ, "GGML_NO_BACKTRACE": "1"})
     assert process.stdout is not None
-    results: list[float] = []
+    results: list[list[float]] = []
     try:
         async with asyncio.timeout(timeout):
             async for line in process.stdout:
@@ -324,7 +334,7 @@ async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, 
                     continue  # the per-token events a step writes, as the coordinator does
                 if "error" in answer:
                     raise ProfileError(f"profiling failed: {answer['error']}", f"see {log_path}")
-                results.append(float(answer["seconds"]))
+                results.append([float(value) for value in answer["seconds"]])
             code = await process.wait()
     except TimeoutError:
         raise ProfileError(f"profiling took longer than {timeout:g}s", f"see {log_path}") from None
@@ -341,45 +351,62 @@ async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, 
 # --- the child process --------------------------------------------------------------------------------
 
 
-def time_job(job: Job, threads: int, warmup: int, tokens: int, out: IO[str]) -> list[float]:
-    """Seconds of each timed decode step with the job's layout (runs in the child).
+class _Run:
+    """One layout loaded in the child, stepping exactly as the coordinator does per token."""
+
+    def __init__(self, layout: Layout, threads: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=layout.model, n_gpu_layers=-1,
+                                   tensor_split=list(split_for_counts(layout.counts)), n_ctx=PROFILE_CONTEXT,
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.llm.eval([self.llm.token_bos()])
+        self.current = self._logits()
+
+    def _logits(self) -> np.ndarray:
+        # Reading the logits waits for the graph: llama_decode itself may return before it is done.
+        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+
+    def step(self, out: IO[str]) -> float:
+        """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
+        from core.coordinator import choose_token, emit
+
+        started = time.perf_counter()
+        token = choose_token(self.current, 0.0, None)
+        emit(out, {"event": "token", "token": token, "text": self.decoder.decode(self.llm.detokenize([token]))})
+        self.llm.eval([token])
+        self.current = self._logits()
+        return time.perf_counter() - started
+
+
+def time_job(job: Job, threads: int, warmup: int, tokens: int, out: IO[str]) -> list[list[float]]:
+    """Seconds of each timed decode step of each layout, taken in turn (runs in the child).
 
     A step does what the coordinator does per token, writing the same event to ``out``, so that the
     measured time is the time a token costs when the cluster serves.
     """
-    import llama_cpp
-
-    from core.coordinator import choose_token, emit
-
-    llm = llama_cpp.Llama(model_path=job.model, n_gpu_layers=-1, tensor_split=list(split_for_counts(job.counts)),
-                          n_ctx=PROFILE_CONTEXT, n_threads=threads, n_threads_batch=threads, verbose=False)
+    runs: list[_Run] = []
     try:
-        n_vocab = llm.n_vocab()
-
-        def logits() -> np.ndarray:
-            # Reading the logits waits for the graph: llama_decode itself may return before it is done.
-            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
-
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        llm.eval([llm.token_bos()])
-        current = logits()
-        steps = []
-        for _ in range(warmup + tokens):
-            started = time.perf_counter()
-            token = choose_token(current, 0.0, None)
-            emit(out, {"event": "token", "token": token, "text": decoder.decode(llm.detokenize([token]))})
-            llm.eval([token])
-            current = logits()
-            steps.append(time.perf_counter() - started)
-        return steps[warmup:]
+        runs += [_Run(layout, threads) for layout in job.layouts]
+        steps: list[list[float]] = [[] for _ in runs]
+        for index in range(warmup + tokens):
+            for run, record in zip(runs, steps, strict=True):
+                seconds = run.step(out)
+                if index >= warmup:
+                    record.append(seconds)
+        return steps
     finally:
-        llm.close()
+        for run in runs:
+            run.llm.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the profiling child: one JSON line per job, ``{"job", "seconds"}`` or ``{"job", "error"}``."""
     parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
-    parser.add_argument("config", help='{"endpoints": [...], "jobs": [{"model", "counts"}], "threads", ...}')
+    parser.add_argument("config", help='{"endpoints": [...], "jobs": [[{"model", "counts"}, ...]], "threads"}')
     config = json.loads(parser.parse_args(argv).config)
     from core.coordinator import register_rpc_servers
 
@@ -389,12 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"job": None, "error": str(exc)}), flush=True)
         return 1
     for index, raw in enumerate(config["jobs"]):
-        job = Job(raw["model"], tuple(raw["counts"]))
+        job = Job(tuple(Layout(layout["model"], tuple(layout["counts"])) for layout in raw))
         try:
             steps = time_job(job, int(config.get("threads", 1)), int(config.get("warmup", WARMUP_TOKENS)),
                              int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
-            # The mean, not the median: a throttled or shared node is slow in bursts, and every burst costs.
-            print(json.dumps({"job": index, "seconds": statistics.fmean(steps), "samples": len(steps)}), flush=True)
+            # The mean, not the median: a node that is slow in bursts (shared, throttled) pays for each one.
+            print(json.dumps({"job": index, "seconds": [statistics.fmean(record) for record in steps]}), flush=True)
         except (RuntimeError, ValueError, OSError) as exc:
             print(json.dumps({"job": index, "error": str(exc)}), flush=True)
             return 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from core.client import plan_rows
+from core.errors import PlanError
 from core.inventory import parse_inventory
 from core.model import ModelFacts
 from core.status import ClusterStatus, CoordinatorStatus, NodeState, NodeStatus
@@ -45,3 +48,50 @@ def test_equal_plan_splits_evenly_and_checks_memory() -> None:
     assert plan.tensor_split == (0.5, 0.5)
     assert [row.layers for row in rows] == [(0, 4), (5, 7), None]
     assert rows[0].why == "5 of 8 layers: an equal share (50.0%)"
+
+
+def measured(snapshot: ClusterStatus, speeds: dict[str, tuple[float, float]]) -> ClusterStatus:
+    for node in snapshot.nodes:
+        if node.name in speeds:
+            node.fixed_ms, node.layer_ms = speeds[node.name]
+            node.output_ms = 0.0
+    snapshot.overhead_ms = 0.5
+    return snapshot
+
+
+def test_compute_plan_explains_every_node() -> None:
+    # big: fast, holds everything; tiny: cannot hold a layer; a third node would only add its fixed cost.
+    three = snapshot()
+    three.nodes.append(NodeStatus(name="far", host="far", kind="ssh", rpc_port=1, state=NodeState.READY,
+                                  mem_total=40 * GIB, mem_free=40 * GIB))
+    inventory = parse_inventory("cluster: lab\nnodes:\n  - {name: big, kind: local, rpc_port: 1}\n"
+                                "  - {name: tiny, kind: local, rpc_port: 2}\n"
+                                "  - {name: dead, kind: local, rpc_port: 3}\n"
+                                "  - {name: far, host: far.lan}\n", "inv.yaml")
+    plan, rows = plan_rows(measured(three, {"big": (1.0, 2.0), "far": (20.0, 2.0)}), inventory, MODEL, "compute")
+    big, tiny, _, far = rows
+    assert (big.layers, tiny.layers, far.layers) == ((0, 7), None, None)
+    assert big.why == "8 of 8 layers: fastest placement (1.00 ms fixed + 2.00 ms/layer)"
+    assert tiny.why.startswith("no layers: cannot hold one layer")
+    assert far.why == "no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer)"
+    assert big.predicted_ms == pytest.approx(17.0)
+    assert plan.predicted_total_s == pytest.approx(0.0175)  # with the coordinator's 0.5 ms
+
+
+def test_compute_plan_says_when_memory_decides() -> None:
+    small = snapshot()
+    small.nodes[0].mem_free = small.nodes[0].mem_total = (64 << 20) + 3 * (10 << 20) + 3 * 2048 * 256 + (1 << 20)
+    small.nodes[1].mem_free = small.nodes[1].mem_total = 4 * GIB
+    _, rows = plan_rows(measured(small, {"big": (1.0, 1.0), "tiny": (1.0, 5.0)}), INVENTORY, MODEL, "compute")
+    assert [row.layers for row in rows[:2]] == [(0, 2), (3, 7)]
+    assert rows[0].why.startswith("3 of 8 layers: as many as its memory holds")
+
+
+def test_compute_plan_needs_measured_nodes() -> None:
+    with pytest.raises(PlanError, match=r"have not been measured.*ggml-cluster profile"):
+        plan_rows(snapshot(), INVENTORY, MODEL, "compute")
+
+
+def test_memory_plan_shows_predictions_once_measured() -> None:
+    _, rows = plan_rows(measured(snapshot(), {"big": (1.0, 2.0)}), INVENTORY, MODEL, "memory")
+    assert rows[0].predicted_ms == pytest.approx(17.0) and rows[1].predicted_ms is None

@@ -93,8 +93,10 @@ def test_overhead_is_what_two_nodes_alone_count_twice() -> None:
 
 def test_depths_fit_the_node() -> None:
     model = facts()
-    assert depths_for(model, 100 * MIB) == (1, 3)
-    assert depths_for(model, 23 * MIB) == (1, 2)
+    # One 10 MiB layer + the 2 MiB output, and four more layers + output, loaded at the same time.
+    assert depths_for(model, 100 * MIB) == (1, 4)
+    assert depths_for(model, 40 * MIB) == (1, 2)
+    assert depths_for(model, 20 * MIB) == (1, 1)  # one depth: no slope, charged to the layers
     assert depths_for(model, 11 * MIB) is None  # one layer and the output do not fit
 
 
@@ -127,3 +129,4 @@ def test_model_fingerprint_changes_with_the_file(tmp_path: Path) -> None:
     first = model_fingerprint(path)
     path.write_bytes(b"other")
     assert model_fingerprint(path) != first
+

@@ -80,6 +80,9 @@ def test_plan_compares_strategies_with_predictions(skewed: Cluster) -> None:
     assert compute["predicted_ms"] > 0
     equal = skewed.cli("plan", "--strategy", "equal", check=False)
     assert equal.returncode == 1 and "does not fit" in equal.stderr  # n1 cannot take a third
+    throughput = json.loads(skewed.cli("plan", "--objective", "throughput", "--json").stdout)
+    assert throughput["strategy"] == "compute (throughput)"
+    assert skewed.cli("plan", "--objective", "fastest", check=False).returncode == 2
     table = skewed.cli("plan").stdout
     assert "MS/TOK" in table and "cannot hold one layer" in table
 
