@@ -149,6 +149,10 @@ def up(
     if failed:
         err.print(f"[yellow]warning:[/yellow] running on {ready} of {len(snapshot.nodes)} nodes; left out: "
                   f"{'; '.join(failed)}", soft_wrap=True, highlight=False)
+    holding = sum(node.layers is not None for node in snapshot.nodes)
+    predicted = f", predicted {snapshot.predicted_ms:.1f} ms/token" if snapshot.predicted_ms else ""
+    err.print(f"plan: {snapshot.strategy}, layers on {holding} of {ready} worker(s){predicted}; "
+              "`ggml-cluster plan` says why", highlight=False, soft_wrap=True)
     err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
               f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
 

@@ -2,8 +2,9 @@
 
 A node is measured by short timed runs: two copies of the model cut to its first 1 and 4 layers (the same
 tensors, types and vocabulary) are loaded with every layer on that node alone, and their decode steps are
-timed in turn, side by side, so that drift of the machine cancels out of the difference. The slope is the node's time per byte of layer weights; the intercept is its fixed cost per token
-(round trips, dispatch), which also holds the output layer and the coordinator's own work per token.
+timed in turn, side by side, so that drift of the machine cancels out of the difference. The slope is the
+node's time per byte of layer weights; the intercept is its fixed cost per token (round trips, dispatch),
+which also holds the output layer and the coordinator's own work per token.
 One extra run with two nodes separates the coordinator's share, so that a plan over several nodes
 counts it once. Results are cached per (node, model, build) and re-measured on request.
 

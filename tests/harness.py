@@ -53,6 +53,7 @@ class Cluster:
         self.ports = [free_port() for _ in range(nodes)]
         self.inventory = root / "inventory.yaml"
         self.base_env = base_env or dict(os.environ)
+        self.up_output = ""  # what the fixture's `up` printed on stderr
         lines = [f"cluster: test{os.getpid()}", f"context: {context}", *(top or [])]
         lines += [f"strategy: {strategy}"] if strategy else []
         if defaults:

@@ -39,7 +39,7 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster = Cluster(root, nodes=3, strategy=None, extra={0: [f"memory: {cap_for(3)}"],
                                                           1: [f"memory: {RESERVE + 1000}"],
                                                           2: [f"memory: {cap_for(5)}"]})
-    cluster.cli("up")
+    cluster.up_output = cluster.cli("up").stderr
     yield cluster
     cluster.cli("down", check=False)
     shutil.rmtree(root, ignore_errors=True)
@@ -53,6 +53,7 @@ def events(cluster: Cluster, kind: str) -> list[dict]:
 def test_up_plans_by_measured_speed_by_default(skewed: Cluster) -> None:
     status = skewed.status()
     assert status["strategy"] == "compute (latency)"
+    assert "plan: compute (latency), layers on 2 of 3 worker(s), predicted" in skewed.up_output
     assert [node["layers"] for node in status["nodes"]] == [[0, 2], None, [3, 7]]
     n0, n1, n2 = status["nodes"]
     for node in (n0, n2):
