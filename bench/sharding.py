@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -101,11 +102,15 @@ class DelayProxy:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         for writer in (client_writer, server_writer):
             sock = writer.get_extra_info("socket")
-            sock.setsockopt(6, 1, 1)  # TCP_NODELAY, as ggml-rpc sets it
-        await asyncio.gather(self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer),
-                             return_exceptions=True)
-        for writer in (client_writer, server_writer):
-            writer.close()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as ggml-rpc sets it
+        try:
+            await asyncio.gather(self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:
+            pass  # the proxy is closing; end as if the connection had
+        finally:
+            for writer in (client_writer, server_writer):
+                writer.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
