@@ -280,14 +280,15 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
     if todo:
         wanted = sorted({depth for index in todo for depth in depths[targets[index].name] or ()})
         cut = {depth: str(await asyncio.to_thread(cut_model, model.path, depth, cut_folder)) for depth in wanted}
+        # One layout when both depths are the same: the node may hold only that one copy.
         jobs = [Job(tuple(Layout(cut[depth], one_hot(len(targets), index, depth))
-                          for depth in depths[targets[index].name] or ()))
+                          for depth in dict.fromkeys(depths[targets[index].name] or ())))
                 for index in todo]
         seconds = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs))
         for timed_s, index in zip(seconds, todo, strict=True):
             target = targets[index]
             node_depths = depths[target.name] or (low, low)
-            profile = fit_node(model, (timed_s[0], timed_s[1]), node_depths, TIMED_TOKENS)
+            profile = fit_node(model, (timed_s[0], timed_s[-1]), node_depths, TIMED_TOKENS)
             cache.save(target.key, profile)
             nodes[target.name] = profile
     timed = [index for index, target in enumerate(targets) if nodes.get(target.name) is not None]
