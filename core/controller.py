@@ -40,6 +40,7 @@ from core.planner import (
 )
 from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
 from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
+from core.relay import Relay, RelayHost
 from core.remote import Remote, remote_for, shell_command
 from core.rpc import Version, probe_worker
 from core.state import StateDir
@@ -132,7 +133,9 @@ class NodeRuntime:
     status: NodeStatus
     spec: worker.WorkerSpec | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    endpoint: tuple[str, int] | None = None
+    endpoint: tuple[str, int] | None = None  # the worker, as this machine reaches it
+    relay: Relay | None = None
+    relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay in front of it
 
 
 class Controller:
@@ -152,6 +155,7 @@ class Controller:
                                   rpc_port=node.rpc_port, arch=platform.machine() if local else "",
                                   backend="cpu" if local else ""))
         self._parallel = asyncio.Semaphore(PARALLEL_NODES)
+        self._relays = RelayHost()
         self._local_flags = local_cpu_flags()
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
@@ -179,7 +183,7 @@ class Controller:
         return ClusterStatus(
             cluster=self.inventory.cluster, model=self.model.name,
             coordinator=CoordinatorStatus(**vars(self.coordinator)),
-            nodes=[NodeStatus(**vars(runtime.status)) for runtime in self.nodes.values()],
+            nodes=[self._node_status(runtime) for runtime in self.nodes.values()],
             events=list(self.events), n_layers=self.model.n_layers,
             tensor_split=list(self.plan.tensor_split) if self.plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
@@ -187,6 +191,17 @@ class Controller:
             predicted_ms=None if self.plan is None or self.plan.predicted_total_s is None
             else self.plan.predicted_total_s * 1000,
             overhead_ms=None if self.profiles is None else self.profiles.overhead_s * 1000)
+
+    @staticmethod
+    def _node_status(runtime: NodeRuntime) -> NodeStatus:
+        """A copy of the node's status with its relay's counters."""
+        status = NodeStatus(**vars(runtime.status))
+        if runtime.relay is not None:
+            seen = runtime.relay.stats
+            status.computes, status.recomputes = seen.computes, seen.recomputes
+            status.bytes_to, status.bytes_from = seen.bytes_to, seen.bytes_from
+            status.compute_ms, status.link = seen.compute_ms, "connected" if seen.connected else "idle"
+        return status
 
     def record(self, kind: str, message: str, node: str | None = None) -> None:
         """Log an event, keep it for `status`, and wake watchers."""
@@ -236,10 +251,19 @@ class Controller:
             self.record("worker", "adopted the running worker" if adopted else "worker started", name)
             direct = runtime.node.kind == "ssh" and runtime.node.transport == "direct"
             runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
+            await self._relay(runtime, runtime.endpoint)
             self._spawn(self._probe_until_ready(runtime))
             await self._follow(runtime, offset)
         except ClusterError as exc:
             self._fail_node(runtime, str(exc))
+
+    async def _relay(self, runtime: NodeRuntime, endpoint: tuple[str, int]) -> None:
+        """The observing relay the coordinator reaches this worker through (started once per node)."""
+        if runtime.relay is None:
+            name = runtime.node.name
+            runtime.relay, runtime.relayed = await self._relays.relay(
+                endpoint, lambda message: self.record("relay", message, name))
+        runtime.relay.target = endpoint
 
     async def _prepare(self, runtime: NodeRuntime) -> worker.WorkerSpec:
         """Reach, probe and deploy an ssh node; a local node runs the binary `up` built."""
@@ -506,7 +530,7 @@ class Controller:
         endpoints = []
         # A node without layers stays out: it would only add a connection the coordinator dies with.
         for name in plan.used:
-            endpoint = self.nodes[name].endpoint
+            endpoint = self.nodes[name].relayed
             if endpoint is None:
                 raise WorkerError(f"node {name} has no endpoint")
             endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
@@ -777,6 +801,7 @@ class Controller:
         if stop_workers:
             await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values() if r.spec),
                                  return_exceptions=True)
+        await self._relays.close([runtime.relay for runtime in self.nodes.values() if runtime.relay])
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()

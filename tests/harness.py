@@ -96,12 +96,16 @@ class Cluster:
 
     def processes(self) -> list[int]:
         """Every live process that belongs to this cluster (controller, coordinator, supervisors, workers)."""
-        result = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True)
-        mine = []
+        result = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True)
+        table = []
         for line in result.stdout.splitlines():
-            pid, _, args = line.strip().partition(" ")
-            ours = str(self.root) in args or any(
-                f"-p {port} " in args + " " or f"127.0.0.1:{port}" in args for port in self.ports)
-            if ours and int(pid) != os.getpid() and alive(int(pid)):
-                mine.append(int(pid))
-        return mine
+            parts = line.split(None, 2)
+            table.append((int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else ""))
+        mine = {pid for pid, _, args in table if str(self.root) in args or any(
+            f"-p {port} " in args + " " or f"127.0.0.1:{port}" in args for port in self.ports)}
+        grown = True
+        while grown:  # and their children: the coordinator reaches the workers through relays, not their ports
+            children = {pid for pid, ppid, _ in table if ppid in mine} - mine
+            mine |= children
+            grown = bool(children)
+        return [pid for pid in mine if pid != os.getpid() and alive(pid)]

@@ -72,6 +72,26 @@ def test_greedy_text_equals_single_process(cluster3: Cluster) -> None:
     assert result["recoveries"] == []
 
 
+def test_status_shows_each_nodes_computes_from_the_relay(cluster3: Cluster) -> None:
+    before = {node["name"]: node["computes"] + node["recomputes"] for node in cluster3.status()["nodes"]}
+    running = cluster3.popen("run", PROMPT, "-n", "200")
+    try:
+        seen = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and running.poll() is None:
+            nodes = cluster3.status()["nodes"]
+            if all(node["computes"] + node["recomputes"] > before[node["name"]] for node in nodes):
+                seen = nodes
+                break
+            time.sleep(0.05)
+        assert seen is not None, "no computes seen during the run"
+        for node in seen:
+            assert node["layers"] and node["compute_ms"] > 0 and node["link"] == "connected"
+            assert node["bytes_to"] > 0 and node["bytes_from"] > 0
+    finally:
+        running.communicate(timeout=120)
+
+
 def test_run_streams_text_to_stdout(cluster3: Cluster) -> None:
     streamed = cluster3.cli("run", PROMPT, "-n", "16")
     as_json = json.loads(cluster3.cli("run", PROMPT, "-n", "16", "--json").stdout)

@@ -1,0 +1,289 @@
+"""The observing relay: the coordinator reaches each worker through it, and it watches the RPC stream go by.
+
+It forwards bytes unchanged in both directions and reads only the frame headers of the coordinator's
+requests (``cmd:u8, size:u64``, then ``size`` payload bytes it skips without looking at). That gives per node:
+graph computes (and recomputes of a cached graph), bytes each way, and the time from a GRAPH_COMPUTE to the
+first answer after it (the next request that waits on the graph), which is the node's share of a token,
+seen from the coordinator, at no extra round trip. A malformed or oversized frame closes that connection
+(the coordinator restarts as it would if the worker had gone) and is reported; it never raises.
+
+asyncio protocols rather than streams: a chunk is handed from one transport to the other as the same bytes
+object, with no task switch per chunk, and back-pressure pauses the side that reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, cast
+
+GRAPH_COMPUTE = 10
+GRAPH_RECOMPUTE = 16
+COMMANDS = 19          # RPC_CMD_COUNT of the pinned llama.cpp: a command byte beyond it is not ggml-rpc
+MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is a corrupt stream
+HEADER = struct.Struct("<BQ")
+SMOOTHING = 0.2        # weight of the newest compute time in the moving average
+
+
+@dataclass
+class RelayStats:
+    """What the relay has seen of one node's traffic since the controller started."""
+
+    computes: int = 0
+    recomputes: int = 0
+    bytes_to: int = 0       # coordinator → worker
+    bytes_from: int = 0     # worker → coordinator
+    compute_ms: float | None = None  # moving average, GRAPH_COMPUTE → first answer after it
+    connected: bool = False
+    connections: int = 0
+    last_error: str = ""
+
+
+class FrameError(ValueError):
+    """The byte stream is not ggml-rpc frames."""
+
+
+class FrameReader:
+    """Finds frame headers in the coordinator's byte stream, skipping payloads by count (pure)."""
+
+    def __init__(self) -> None:
+        self._header = bytearray()
+        self._skip = 0  # payload bytes of the current frame still to come
+
+    def feed(self, data: bytes) -> list[int]:
+        """The commands whose headers complete in ``data``; raises FrameError on a bad header."""
+        commands = []
+        view, position, end = memoryview(data), 0, len(data)
+        while position < end:
+            if self._skip:
+                step = min(self._skip, end - position)
+                self._skip -= step
+                position += step
+                continue
+            take = min(HEADER.size - len(self._header), end - position)
+            self._header += view[position:position + take]
+            position += take
+            if len(self._header) < HEADER.size:
+                break
+            command, size = HEADER.unpack(self._header)
+            self._header.clear()
+            if command >= COMMANDS:
+                raise FrameError(f"unknown RPC command {command}")
+            if size > MAX_FRAME:
+                raise FrameError(f"RPC command {command} announces {size} bytes")
+            self._skip = size
+            commands.append(command)
+        return commands
+
+
+class _Link:
+    """One coordinator connection and its connection to the worker."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.frames = FrameReader()
+        self.client: asyncio.Transport | None = None
+        self.worker: asyncio.Transport | None = None
+        self.compute_started: float | None = None
+        self.pending: list[bytes] = []
+        self.closed = False
+
+    def from_client(self, data: bytes) -> None:
+        stats = self.relay.stats
+        stats.bytes_to += len(data)
+        try:
+            commands = self.frames.feed(data)
+        except FrameError as exc:
+            self.relay.report(f"closed the coordinator's connection: {exc}")
+            self.close()
+            return
+        for command in commands:
+            if command == GRAPH_COMPUTE:
+                stats.computes += 1
+                self.compute_started = time.perf_counter()
+            elif command == GRAPH_RECOMPUTE:
+                stats.recomputes += 1
+                self.compute_started = time.perf_counter()
+        if self.worker is not None:
+            self.worker.write(data)
+        else:
+            self.pending.append(data)  # reading is paused until the worker connects, but a loop may race
+
+    def worker_connected(self, transport: asyncio.Transport) -> None:
+        self.worker = transport
+        for data in self.pending:
+            transport.write(data)
+        self.pending.clear()
+
+    def from_worker(self, data: bytes) -> None:
+        stats = self.relay.stats
+        stats.bytes_from += len(data)
+        if self.compute_started is not None:
+            elapsed = (time.perf_counter() - self.compute_started) * 1000
+            self.compute_started = None
+            stats.compute_ms = elapsed if stats.compute_ms is None else (
+                SMOOTHING * elapsed + (1 - SMOOTHING) * stats.compute_ms)
+        if self.client is not None:
+            self.client.write(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.relay.stats.connected = False
+        for transport in (self.client, self.worker):
+            if transport is not None:
+                transport.close()
+
+
+class _Side(asyncio.Protocol):
+    """One end of a link; ``client`` is the coordinator's side."""
+
+    def __init__(self, link: _Link, client: bool) -> None:
+        self.link = link
+        self.is_client = client
+
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, base)  # a stream transport (uvloop's is not a subclass)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # ggml-rpc's own setting
+        if self.is_client:
+            self.link.client = transport
+            transport.pause_reading()  # until the worker side is connected
+            self.link.relay.spawn(self.link.relay.connect_worker(self.link))
+        else:
+            self.link.worker_connected(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.is_client:
+            self.link.from_client(data)
+        else:
+            self.link.from_worker(data)
+
+    def eof_received(self) -> bool:
+        self.link.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.close()
+
+    def pause_writing(self) -> None:
+        other = self.link.worker if self.is_client else self.link.client
+        if other is not None:
+            other.pause_reading()
+
+    def resume_writing(self) -> None:
+        other = self.link.worker if self.is_client else self.link.client
+        if other is not None:
+            other.resume_reading()
+
+
+class Relay:
+    """A loopback listener that forwards to one worker and keeps that node's ``RelayStats``."""
+
+    def __init__(self, target: tuple[str, int], on_event: Callable[[str], None]) -> None:
+        self.target = target  # may change when the node's endpoint does
+        self.stats = RelayStats()
+        self._on_event = on_event
+        self._server: asyncio.Server | None = None
+        self._links: set[_Link] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run a task that the relay keeps a reference to until it ends."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> tuple[str, int]:
+        """Listen on an ephemeral 127.0.0.1 port; returns the address the coordinator should use."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Side(self._new_link(), client=True), "127.0.0.1", 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    def _new_link(self) -> _Link:
+        link = _Link(self)
+        self._links = {known for known in self._links if not known.closed} | {link}
+        return link
+
+    async def connect_worker(self, link: _Link) -> None:
+        """Open the worker side of a new coordinator connection, then let the coordinator's bytes flow."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_connection(lambda: _Side(link, client=False), *self.target)
+        except OSError as exc:
+            self.report(f"cannot reach the worker at {self.target[0]}:{self.target[1]}: {exc}")
+            link.close()
+            return
+        self.stats.connected = True
+        self.stats.connections += 1
+        if link.client is not None and not link.closed:
+            link.client.resume_reading()
+
+    def report(self, message: str) -> None:
+        """Record a problem on this node's traffic and tell the controller."""
+        self.stats.last_error = message
+        self._on_event(message)
+
+    def close_links(self) -> None:
+        """Drop every connection (the coordinator sees its worker go, as on a real loss)."""
+        for link in list(self._links):
+            link.close()
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection."""
+        self.close_links()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+
+class RelayHost:
+    """The relays' own event loop (uvloop) on a thread of the controller.
+
+    uvloop moves a chunk in a fraction of asyncio's time, and the relays are on the per-token path; the
+    controller's own loop stays the standard one (it runs subprocesses and SSH, where it behaves as tested).
+    Counters are plain ints, read by the controller's thread as they are.
+    """
+
+    def __init__(self) -> None:
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(started.set)
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="relays", daemon=True)
+        self._thread.start()
+        started.wait(10)
+
+    async def relay(self, target: tuple[str, int], on_event: Callable[[str], None]) -> tuple[Relay, tuple[str, int]]:
+        """A started relay to ``target``; ``on_event`` is called on the caller's loop."""
+        caller = asyncio.get_running_loop()
+
+        def report(message: str) -> None:
+            caller.call_soon_threadsafe(on_event, message)
+
+        relay = Relay(target, report)
+        address = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(relay.start(), self.loop))
+        return relay, address
+
+    async def close(self, relays: list[Relay]) -> None:
+        """Close ``relays`` and stop the loop."""
+        for relay in relays:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(relay.close(), self.loop))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.to_thread(self._thread.join, 10)
