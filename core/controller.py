@@ -196,6 +196,8 @@ class Controller:
     def _node_status(runtime: NodeRuntime) -> NodeStatus:
         """A copy of the node's status with its relay's counters."""
         status = NodeStatus(**vars(runtime.status))
+        if runtime.endpoint is not None:
+            status.endpoint = f"{runtime.endpoint[0]}:{runtime.endpoint[1]}"
         if runtime.relay is not None:
             seen = runtime.relay.stats
             status.computes, status.recomputes = seen.computes, seen.recomputes

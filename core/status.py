@@ -75,6 +75,7 @@ class NodeStatus:
     bytes_from: int = 0
     compute_ms: float | None = None   # measured: GRAPH_COMPUTE to its answer, moving average
     link: str = ""                    # the coordinator's connection: connected | idle
+    endpoint: str = ""                # the worker as the controller reaches it (an SSH forward, or direct)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
