@@ -53,13 +53,14 @@ def duration(seconds: float) -> str:
 
 
 def memory(node: NodeStatus) -> str:
-    """Free/total memory in the total's unit, e.g. ``21.3/23.5 GiB``."""
+    """Free/total memory in the total's unit, e.g. ``21.3/23.5 GiB`` (``21/24 GiB`` from 10 up)."""
     if not node.mem_total:
         return "-"
     total = size(node.mem_total)
     number, unit = total.split(" ")
     scale = node.mem_total / float(number) if float(number) else 1.0
-    return f"{node.mem_free / scale:.1f}/{number} {unit}"
+    digits = 0 if float(number) >= 10 else 1
+    return f"{node.mem_free / scale:.{digits}f}/{float(number):.{digits}f} {unit}"
 
 
 def layers(node: NodeStatus) -> str:
@@ -79,20 +80,24 @@ def header(status: ClusterStatus, now: float) -> Text:
     if status.coordinator.restarts:
         line.append(f" (restarts {status.coordinator.restarts})")
     line.append(f"  up {duration(now - status.started_at)}")
+    if status.predicted_ms:
+        line.append(f"  plan {status.predicted_ms:.1f} ms/tok")
     return line
 
 
 def node_table(status: ClusterStatus) -> Table:
     """One row per node."""
     table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
-    for column in ("NODE", "HOST", "BACKEND", "STATE", "LAYERS", "MEM FREE/TOTAL", "RESTARTS"):
+    for column in ("NODE", "BACKEND", "STATE", "LAYERS", "FREE/MEM", "MS/TOK", "COMPUTES", "RESTARTS"):
         table.add_column(column, no_wrap=True)
-    table.add_column("LAST STATUS", overflow="fold", min_width=12)
+    table.add_column("LAST STATUS", overflow="fold", min_width=11)
     for node in status.nodes:
+        # ms/token as the relay measures it; only meaningful for a node that holds layers.
+        compute = f"{node.compute_ms:.2f}" if node.compute_ms is not None and node.layers else "-"
         table.add_row(
-            node.name, node.host, f"{node.arch or '?'}/{node.backend or '?'}",
-            Text(str(node.state), style=STATE_STYLE[node.state]), layers(node), memory(node), str(node.restarts),
-            node.last_error or node.last_status or "ok")
+            node.name, f"{node.arch or '?'}/{node.backend or '?'}",
+            Text(str(node.state), style=STATE_STYLE[node.state]), layers(node), memory(node), compute,
+            str(node.computes + node.recomputes), str(node.restarts), node.last_error or node.last_status or "ok")
     return table
 
 

@@ -15,7 +15,8 @@ def snapshot() -> ClusterStatus:
         coordinator=CoordinatorStatus(state=CoordinatorState.READY, endpoint="unix:/s", restarts=1),
         nodes=[
             NodeStatus(name="a", host="localhost", kind="local", rpc_port=50152, arch="x86_64", backend="cpu",
-                       state=NodeState.READY, layers=(0, 4), mem_total=24 * GIB, mem_free=20 * GIB),
+                       state=NodeState.READY, layers=(0, 4), mem_total=24 * GIB, mem_free=20 * GIB,
+                       computes=3, recomputes=120, compute_ms=4.25),
             NodeStatus(name="b", host="localhost", kind="local", rpc_port=50153, arch="x86_64", backend="cpu",
                        state=NodeState.RESTARTING, layers=(5, 7), mem_total=24 * GIB, mem_free=24 * GIB,
                        restarts=2, last_status="killed by SIGKILL"),
@@ -24,19 +25,19 @@ def snapshot() -> ClusterStatus:
         ],
         events=[Event(time=T0 + 5, kind="worker-exit", message="worker exited after 3s: killed by SIGKILL",
                       node="b")],
-        started_at=T0,
+        started_at=T0, predicted_ms=9.5,
     )
 
 
 def test_status_view_exact_text() -> None:
     text = to_text(status_view(snapshot(), now=T0 + 125), width=100)
     lines = text.splitlines()
-    assert lines[0].rstrip() == "lab  model demo.gguf  coordinator ready (restarts 1)  up 2m05s"
+    assert lines[0].rstrip() == "lab  model demo.gguf  coordinator ready (restarts 1)  up 2m05s  plan 9.5 ms/tok"
     assert [line.rstrip() for line in lines[1:5]] == [
-        "NODE HOST      BACKEND    STATE      LAYERS MEM FREE/TOTAL RESTARTS LAST STATUS",
-        "a    localhost x86_64/cpu ready      0-4    20.0/24.0 GiB  0        ok",
-        "b    localhost x86_64/cpu restarting 5-7    24.0/24.0 GiB  2        killed by SIGKILL",
-        "c    localhost x86_64/cpu failed     -      -              5        crash loop: exit code 1",
+        "NODE BACKEND    STATE      LAYERS FREE/MEM  MS/TOK COMPUTES RESTARTS LAST STATUS",
+        "a    x86_64/cpu ready      0-4    20/24 GiB 4.25   123      0        ok",
+        "b    x86_64/cpu restarting 5-7    24/24 GiB -      0        2        killed by SIGKILL",
+        "c    x86_64/cpu failed     -      -         -      0        5        crash loop: exit code 1",
     ]
     assert lines[5] == "events"
     assert lines[6].endswith("[b] worker-exit: worker exited after 3s: killed by SIGKILL")
