@@ -167,6 +167,9 @@ class Controller:
         self._replanning = False  # the coordinator is being restarted on purpose
         self.started_at = time.time()
         self.requests_served = 0
+        self.requests_waiting = 0  # in flight: generating, or queued behind the one that is
+        self.recoveries = 0
+        self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
         self._process: asyncio.subprocess.Process | None = None
         self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._coordinator_ready = asyncio.Event()
@@ -187,6 +190,8 @@ class Controller:
             events=list(self.events), n_layers=self.model.n_layers,
             tensor_split=list(self.plan.tensor_split) if self.plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
+            requests_in_flight=self.requests_waiting, recoveries=self.recoveries,
+            prompt_tokens_per_s=self.rates["prompt"], decode_tokens_per_s=self.rates["decode"],
             strategy=self.plan.strategy if self.plan else "",
             predicted_ms=None if self.plan is None or self.plan.predicted_total_s is None
             else self.plan.predicted_total_s * 1000,
@@ -657,6 +662,15 @@ class Controller:
 
     async def generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
+        self.requests_waiting += 1
+        self.notify()
+        try:
+            await self._generate(request, send)
+        finally:
+            self.requests_waiting -= 1
+            self.notify()
+
+    async def _generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         async with self._request_lock:
             progress = _Progress()
             rid = 0
@@ -669,6 +683,7 @@ class Controller:
                 cause = await self._attempt(request, progress, rid, process=process, messages=messages, send=send)
                 if cause is None:
                     return
+                self.recoveries += 1
                 progress.recoveries.append({"at_token": len(progress.generated), "time": time.time(),
                                             "cause": cause})
                 if len(progress.recoveries) > MAX_RECOVERIES:
@@ -721,6 +736,8 @@ class Controller:
             elif kind == "done":
                 self._set_ready()
                 self.requests_served += 1
+                self.rates = {"prompt": _rate(answer.get("prompt_tokens"), answer.get("prompt_s")),
+                              "decode": _rate(answer.get("completion_tokens"), answer.get("decode_s"))}
                 await self._finish(progress, answer, send)
                 return None
 

@@ -119,6 +119,10 @@ class ClusterStatus:
     strategy: str = ""
     predicted_ms: float | None = None  # per token under the current plan, when the nodes were measured
     overhead_ms: float | None = None   # the coordinator's own share of a token, measured with the nodes
+    requests_in_flight: int = 0        # generating, or waiting for the one that is
+    recoveries: int = 0                # requests resumed after a fault, since the controller started
+    prompt_tokens_per_s: float | None = None  # of the last finished request
+    decode_tokens_per_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (`status --json`)."""
@@ -136,6 +140,10 @@ class ClusterStatus:
             "strategy": self.strategy,
             "predicted_ms": self.predicted_ms,
             "overhead_ms": self.overhead_ms,
+            "requests_in_flight": self.requests_in_flight,
+            "recoveries": self.recoveries,
+            "prompt_tokens_per_s": self.prompt_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
     @classmethod
@@ -163,4 +171,8 @@ class ClusterStatus:
             strategy=data.get("strategy", ""),
             predicted_ms=data.get("predicted_ms"),
             overhead_ms=data.get("overhead_ms"),
+            requests_in_flight=data.get("requests_in_flight", 0),
+            recoveries=data.get("recoveries", 0),
+            prompt_tokens_per_s=data.get("prompt_tokens_per_s"),
+            decode_tokens_per_s=data.get("decode_tokens_per_s"),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -79,6 +80,20 @@ class Cluster:
     def popen(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen([CLI, "-i", str(self.inventory), *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=self.env())
+
+    @staticmethod
+    def finish(process: subprocess.Popen[str], timeout: float = 240) -> tuple[str, str]:
+        """The rest of a process's stdout, and its stderr, once it exits.
+
+        Read through the same file objects as an earlier ``stdout.read(n)``: communicate() reads the raw
+        pipes, and would drop what that earlier read pulled into the text buffer beyond its n characters.
+        """
+        assert process.stdout is not None and process.stderr is not None
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stderr = pool.submit(process.stderr.read)
+            rest = process.stdout.read()
+            process.wait(timeout)
+            return rest, stderr.result(timeout)
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)

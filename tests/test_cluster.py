@@ -74,22 +74,30 @@ def test_greedy_text_equals_single_process(cluster3: Cluster) -> None:
 
 def test_status_shows_each_nodes_computes_from_the_relay(cluster3: Cluster) -> None:
     before = {node["name"]: node["computes"] + node["recomputes"] for node in cluster3.status()["nodes"]}
-    running = cluster3.popen("run", PROMPT, "-n", "200")
+    watch = cluster3.popen("status", "--watch", "--json", "--interval", "0.1")
+    running = cluster3.popen("run", PROMPT, "-n", "450")
     try:
+        assert watch.stdout is not None
         seen = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and running.poll() is None:
-            nodes = cluster3.status()["nodes"]
-            if all(node["computes"] + node["recomputes"] > before[node["name"]] for node in nodes):
-                seen = nodes
+        for line in watch.stdout:  # a snapshot on every change, and every 0.1 s
+            status = json.loads(line)
+            if status["requests_in_flight"] == 1 and all(
+                    node["computes"] + node["recomputes"] > before[node["name"]] for node in status["nodes"]):
+                seen = status
                 break
-            time.sleep(0.05)
-        assert seen is not None, "no computes seen during the run"
-        for node in seen:
+            if running.poll() is not None:
+                break
+        assert seen is not None, "no snapshot showed the run with computes on every node"
+        for node in seen["nodes"]:
             assert node["layers"] and node["compute_ms"] > 0 and node["link"] == "connected"
             assert node["bytes_to"] > 0 and node["bytes_from"] > 0
     finally:
+        watch.kill()
+        watch.communicate()
         running.communicate(timeout=120)
+    after = cluster3.status()
+    assert after["requests_in_flight"] == 0
+    assert after["decode_tokens_per_s"] > 0 and after["prompt_tokens_per_s"] > 0
 
 
 def test_run_streams_text_to_stdout(cluster3: Cluster) -> None:
@@ -118,7 +126,7 @@ def test_killed_worker_mid_generation_resumes_with_identical_text(cluster3: Clus
     assert run.stdout is not None
     head = run.stdout.read(40)  # tokens are streaming: the fault lands mid-generation
     subprocess.run(["kill", "-9", str(victim)], check=True)
-    rest, stderr = run.communicate(timeout=120)
+    rest, stderr = cluster3.finish(run)
     assert run.returncode == 0, stderr
     assert head + rest == expected + "\n"
     assert stderr.count("recovering:") == 1 and "1 recovery" in stderr

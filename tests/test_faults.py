@@ -44,7 +44,7 @@ def run_with_fault(cluster: Cluster, fault) -> tuple[subprocess.CompletedProcess
     head = run.stdout.read(40)  # tokens are streaming: the fault lands mid-generation
     started = time.monotonic()
     fault()
-    rest, stderr = run.communicate(timeout=240)
+    rest, stderr = cluster.finish(run)
     return subprocess.CompletedProcess(run.args, run.returncode, head + rest, stderr), head + rest, \
         time.monotonic() - started
 
@@ -73,6 +73,7 @@ def test_killed_coordinator_resumes_with_the_same_text(cluster: Cluster) -> None
     status = cluster.status()
     assert status["coordinator"]["restarts"] == 1 and status["coordinator"]["pid"] != coordinator
     assert all(item["restarts"] == 0 for item in status["nodes"])
+    assert status["recoveries"] == 1 and status["requests_in_flight"] == 0
 
 
 def test_crash_loop_fails_the_node_and_the_rest_take_over(cluster: Cluster) -> None:

@@ -271,7 +271,7 @@ def test_killed_worker_on_an_ssh_node_resumes_with_identical_text(world: SshWorl
         assert run.stdout is not None
         head = run.stdout.read(40)
         os.kill(victim, signal.SIGKILL)
-        rest, stderr = run.communicate(timeout=120)
+        rest, stderr = cluster.finish(run)
         assert run.returncode == 0, stderr
         assert head + rest == expected + "\n"
         assert "recovering:" in stderr
