@@ -42,7 +42,6 @@ class RelayStats:
     compute_ms: float | None = None  # moving average, GRAPH_COMPUTE → first answer after it
     connected: bool = False
     connections: int = 0
-    last_error: str = ""
 
 
 class FrameError(ValueError):
@@ -229,18 +228,13 @@ class Relay:
             link.client.resume_reading()
 
     def report(self, message: str) -> None:
-        """Record a problem on this node's traffic and tell the controller."""
-        self.stats.last_error = message
+        """Tell the controller about a problem on this node's traffic."""
         self._on_event(message)
-
-    def close_links(self) -> None:
-        """Drop every connection (the coordinator sees its worker go, as on a real loss)."""
-        for link in list(self._links):
-            link.close()
 
     async def close(self) -> None:
         """Stop listening and drop every connection."""
-        self.close_links()
+        for link in list(self._links):
+            link.close()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
