@@ -500,22 +500,24 @@ class Controller:
         capacities = self._capacities(usable)
         names = [r.node.name for r in usable]
         context, strategy = self.inventory.context, self.inventory.strategy
+        # Only measured nodes have a speed; a node that could not hold a layer was never timed.
+        measured = {} if profiles is None else {
+            name: speed for name, speed in zip(self.nodes, profiles.speeds(self.model, list(self.nodes)), strict=True)
+            if profiles.nodes.get(name)}
         if strategy == "compute" and profiles is not None:
-            speeds = profiles.speeds(self.model, names)
-            plan = plan_compute(self.model, capacities, speeds, context, self.inventory.objective)
+            plan = plan_compute(self.model, capacities, profiles.speeds(self.model, names), context,
+                                self.inventory.objective)
         elif strategy == "equal":
             plan = plan_equal(self.model, capacities, context)
         else:
             plan = plan_memory(self.model, capacities, context)
-        if profiles is not None and all(profiles.nodes.get(name) for name in plan.used):
+        if profiles is not None and all(name in measured for name in plan.used):
             plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)
         self.plan = plan
         self.profiles = profiles
-        for runtime in self.nodes.values():
-            status = runtime.status
+        for name, runtime in self.nodes.items():
+            status, speed = runtime.status, measured.get(name)
             status.layers = status.predicted_ms = None
-            profile = profiles.nodes.get(runtime.node.name) if profiles else None
-            speed = profiles.speeds(self.model, [runtime.node.name])[0] if profiles and profile else None
             status.fixed_ms = speed.fixed_s * 1000 if speed else None
             status.layer_ms = speed.per_layer_s * 1000 if speed else None
             status.output_ms = speed.output_s * 1000 if speed else None

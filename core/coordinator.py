@@ -82,6 +82,14 @@ def register_rpc_servers(endpoints: tuple[str, ...]) -> None:
         ggml.ggml_backend_register(registry)
 
 
+def last_logits(lib: Any, llm: Any, n_vocab: int) -> np.ndarray:
+    """The logits of the last decoded token, without a copy (``lib``: the llama_cpp module).
+
+    Reading them waits for the graph: llama_decode itself may return before it is done.
+    """
+    return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+
 def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generator | None) -> int:
     """Greedy at temperature 0; otherwise top-k, top-p sampling with one draw from ``rng`` per token."""
     if temperature <= 0 or rng is None:
@@ -111,10 +119,6 @@ class Generator:
             logits_all=False, verbose=True)
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = self.llm.n_vocab()
-
-    def _logits(self) -> np.ndarray:
-        pointer = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
 
     def generate(self, request: dict[str, Any], out: IO[str]) -> None:
         """Run one request, writing its events to ``out``."""
@@ -148,7 +152,7 @@ class Generator:
             if rid in self.cancelled:
                 reason = "cancelled"
                 break
-            token = choose_token(self._logits(), temperature, rng)
+            token = choose_token(last_logits(self._lib, llm, self.n_vocab), temperature, rng)
             if self._lib.llama_vocab_is_eog(self.vocab, token):
                 reason = "stop"
                 break

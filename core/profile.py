@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
-
+from core.coordinator import choose_token, emit, last_logits, register_rpc_servers
 from core.errors import ProfileError
 from core.model import ModelFacts
 from core.planner import NodeSpeed, split_for_counts
@@ -92,32 +91,42 @@ class ProfileCache:
 
     def load(self, key: str) -> NodeProfile | None:
         """The cached profile, or None when missing or unreadable."""
+        data = self._read(f"{key}.json")
         try:
-            data = json.loads((self.root / f"{key}.json").read_text())
-            return NodeProfile(**data)
-        except (OSError, ValueError, TypeError):
+            return NodeProfile(**data) if data is not None else None
+        except TypeError:
             return None
 
     def save(self, key: str, profile: NodeProfile) -> None:
-        """Store a profile (a reader never sees half a file)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        partial = self.root / f".{key}.{os.getpid()}.partial"
-        partial.write_text(json.dumps(profile.to_dict()))
-        partial.replace(self.root / f"{key}.json")
+        """Store a profile."""
+        self._write(f"{key}.json", profile.to_dict())
 
     def load_overhead(self, key: str) -> float | None:
         """The coordinator's measured share of a token, or None."""
+        data = self._read(f"overhead-{key}.json")
         try:
-            return float(json.loads((self.root / f"overhead-{key}.json").read_text())["overhead_s"])
-        except (OSError, ValueError, TypeError, KeyError):
+            return float(data["overhead_s"]) if data is not None else None
+        except (KeyError, TypeError, ValueError):
             return None
 
     def save_overhead(self, key: str, seconds: float) -> None:
         """Store the coordinator's share of a token."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        partial = self.root / f".overhead-{key}.{os.getpid()}.partial"
-        partial.write_text(json.dumps({"overhead_s": seconds, "measured_at": time.time()}))
-        partial.replace(self.root / f"overhead-{key}.json")
+        self._write(f"overhead-{key}.json", {"overhead_s": seconds, "measured_at": time.time()})
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads((self.root / name).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _write(self, name: str, data: dict[str, Any]) -> None:
+        # Atomic, so a reader never sees half a file; best effort: an entry that was not written is measured again.
+        partial = self.root / f".{name}.{os.getpid()}.partial"
+        with contextlib.suppress(OSError):
+            self.root.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(data))
+            partial.replace(self.root / name)
 
 
 def cut_model(source: Path, layers: int, folder: Path) -> Path:
@@ -366,21 +375,15 @@ class _Run:
         self.n_vocab = self.llm.n_vocab()
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.llm.eval([self.llm.token_bos()])
-        self.current = self._logits()
-
-    def _logits(self) -> np.ndarray:
-        # Reading the logits waits for the graph: llama_decode itself may return before it is done.
-        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        self.current = last_logits(self._lib, self.llm, self.n_vocab)
 
     def step(self, out: IO[str]) -> float:
         """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
-        from core.coordinator import choose_token, emit
-
         started = time.perf_counter()
         token = choose_token(self.current, 0.0, None)
         emit(out, {"event": "token", "token": token, "text": self.decoder.decode(self.llm.detokenize([token]))})
         self.llm.eval([token])
-        self.current = self._logits()
+        self.current = last_logits(self._lib, self.llm, self.n_vocab)
         return time.perf_counter() - started
 
 
@@ -410,8 +413,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
     parser.add_argument("config", help='{"endpoints": [...], "jobs": [[{"model", "counts"}, ...]], "threads"}')
     config = json.loads(parser.parse_args(argv).config)
-    from core.coordinator import register_rpc_servers
-
     try:
         register_rpc_servers(tuple(config["endpoints"]))
     except (RuntimeError, OSError) as exc:
