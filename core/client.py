@@ -24,7 +24,16 @@ from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, read_launch
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
-from core.planner import NodeCapacity, NodeSpeed, Plan, plan_compute, plan_equal, plan_memory, with_prediction
+from core.planner import (
+    NodeCapacity,
+    NodeSpeed,
+    Plan,
+    mib,
+    plan_compute,
+    plan_equal,
+    plan_memory,
+    with_prediction,
+)
 from core.probe import PROBE_COMMAND, parse_node
 from core.profile import depths_for
 from core.remote import Remote, remote_for
@@ -421,16 +430,12 @@ def _why(plan: Plan, index: int, *, capacity: NodeCapacity, speed: NodeSpeed | N
     cost = f"{speed.fixed_s * 1000:.2f} ms fixed + {speed.per_layer_s * 1000:.2f} ms/layer"
     if layers is None:
         if not math.isfinite(speed.fixed_s) or capacity.usable < min(model.layer_bytes) + model.kv_bytes(context):
-            return f"no layers: cannot hold one layer ({_size(capacity.usable)} usable)"
+            return f"no layers: cannot hold one layer ({mib(capacity.usable)} usable)"
         return f"no layers: it would add more time than it saves ({cost})"
     room = capacity.usable - plan.bytes_needed[index]
     if count < model.n_layers and room < max(model.layer_bytes) + model.kv_bytes(context):
         return f"{count} of {model.n_layers} layers: as many as its memory holds ({cost})"
     return f"{count} of {model.n_layers} layers: fastest placement ({cost})"
-
-
-def _size(size: int) -> str:
-    return f"{size / (1 << 20):.0f} MiB"
 
 
 async def explain_plan(inventory: Inventory, strategy: str, objective: str | None = None

@@ -135,9 +135,9 @@ def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndar
     short = [(node, need) for node, need in zip(nodes, needed, strict=True) if need > node.usable]
     if short:
         total_need = sum(needed)
-        names = ", ".join(f"{node.name} needs {_mib(need)} but has {_mib(node.usable)} usable"
+        names = ", ".join(f"{node.name} needs {mib(need)} but has {mib(node.usable)} usable"
                           for node, need in short)
-        raise PlanError(f"the model ({_mib(total_need)} with a {context}-token KV cache) does not fit: {names}",
+        raise PlanError(f"the model ({mib(total_need)} with a {context}-token KV cache) does not fit: {names}",
                         "fix: add nodes, lower 'context', or use a smaller quantisation")
     return Plan(
         nodes=tuple(node.name for node in nodes),
@@ -148,7 +148,8 @@ def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndar
     )
 
 
-def _mib(size: int) -> str:
+def mib(size: int) -> str:
+    """Bytes in MiB, for messages."""
     return f"{size / (1 << 20):.1f} MiB"
 
 
@@ -228,8 +229,8 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
     if not np.isfinite(best[n][layers]):
         total_need = int(prefix[-1]) + model.output_bytes
         usable = sum(node.usable for node in nodes)
-        raise PlanError(f"the model ({_mib(total_need)} with a {context}-token KV cache) does not fit on "
-                        f"{n} node(s) with {_mib(usable)} usable in all",
+        raise PlanError(f"the model ({mib(total_need)} with a {context}-token KV cache) does not fit on "
+                        f"{n} node(s) with {mib(usable)} usable in all",
                         "fix: add nodes, lower 'context', or use a smaller quantisation")
     counts, placed = [0] * n, layers
     for i in range(n, 0, -1):
