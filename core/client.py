@@ -451,10 +451,8 @@ async def explain_plan(inventory: Inventory, strategy: str, objective: str | Non
     return plan_rows(snapshot, inventory, model, strategy, objective)
 
 
-async def reprofile(inventory: Inventory) -> ClusterStatus:
+async def reprofile(inventory: Inventory) -> None:
     """`profile`: measure every node again, re-plan and restart the coordinator (between requests)."""
-    state = state_for(inventory)
-    answer = await ask(state, {"op": "profile"})
+    answer = await ask(state_for(inventory), {"op": "profile"})
     if answer.get("error"):
         raise ClusterError(str(answer["error"]))
-    return await status(state)

@@ -631,13 +631,13 @@ class Controller:
             self.coordinator.state = CoordinatorState.FAILED
             self.record("coordinator-failed", f"could not restart within {RECOVERY_TIMEOUT_S:g}s")
 
-    async def replan(self, remeasure: bool) -> None:
-        """Measure the nodes again (with ``remeasure``), re-plan and restart the coordinator, between requests."""
+    async def reprofile(self) -> None:
+        """Measure the nodes again, re-plan and restart the coordinator, between requests."""
         async with self._request_lock:
-            self._reprofile = remeasure
+            self._reprofile = True
             self._replanning = True
             try:
-                self.record("replan", "measuring the nodes again and re-planning" if remeasure else "re-planning")
+                self.record("replan", "measuring the nodes again and re-planning")
                 await self._kill_coordinator()
                 while self._process is not None:  # until its reader has seen it go
                     await self.wait_change(0.1)
@@ -884,7 +884,7 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
             except ClusterError as exc:
                 await send({"event": "error", "message": str(exc)})
         elif op == "profile":
-            await controller.replan(remeasure=True)
+            await controller.reprofile()
             ready = controller.coordinator.state == CoordinatorState.READY
             await send({"ok": ready} if ready else {"error": f"the coordinator did not come back: "
                                                             f"{controller.coordinator.last_error}"})
