@@ -1,9 +1,10 @@
-"""What the observing relay costs: decode tokens/s through it against straight to the workers.
+"""What observing the cluster costs: decode tokens/s through the relays against straight to the workers.
 
 Two real workers on loopback and the 183 MB model split between them (the shape of bench/faults.py). The
 coordinator (the same child process the controller runs) decodes with its endpoints either the workers
-themselves or a relay per worker (core.relay on a RelayHost: the uvloop thread the controller runs its relays
-on). Alternating rounds; medians; the ratio relay/direct.
+themselves, or a relay per worker (core.relay on a RelayHost: the uvloop thread the controller runs its relays
+on), or the relays while each worker's CPU/memory is sampled on its node as the controller does it (the
+sample script every METRICS_INTERVAL_S). Alternating rounds; medians; the ratios to direct.
 
     .venv/bin/python bench/relay.py [--rounds 5] [--tokens 64]
 """
@@ -13,7 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,6 +27,8 @@ from faults import big_model
 from sharding import decode_ms, start_worker
 
 from core.build import cache_dir
+from core.controller import METRICS_INTERVAL_S
+from core.metrics import parse_sample, sample_command
 from core.relay import Relay, RelayHost
 from tests.harness import free_port
 
@@ -32,6 +38,22 @@ def start_relays(host: RelayHost, targets: list[tuple[str, int]]) -> tuple[list[
     relays = [Relay(target, lambda message: print(f"relay: {message}")) for target in targets]
     addresses = [asyncio.run_coroutine_threadsafe(relay.start(), host.loop).result(10) for relay in relays]
     return relays, [f"{address[0]}:{address[1]}" for address in addresses]
+
+
+def sample_while(on: threading.Event, stop: threading.Event, pids: list[int]) -> None:
+    """Sample each worker as the controller does (a shell on its node every METRICS_INTERVAL_S) while ``on``."""
+    with tempfile.TemporaryDirectory() as root:
+        commands = []
+        for index, pid in enumerate(pids):
+            folder = Path(root) / str(index)
+            folder.mkdir()
+            (folder / "worker.pid").write_text(str(pid))
+            commands.append(sample_command(str(folder), "cpu"))
+        while not stop.wait(METRICS_INTERVAL_S):
+            if on.is_set():
+                for command in commands:
+                    result = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, check=False)
+                    assert parse_sample(result.stdout) is not None
 
 
 def main() -> int:
@@ -45,26 +67,35 @@ def main() -> int:
     host = RelayHost()
     relays, relayed = start_relays(host, [("127.0.0.1", port) for port in ports])
     direct = [f"127.0.0.1:{port}" for port in ports]
-    samples: dict[str, list[float]] = {"direct": [], "relay": []}
+    samples: dict[str, list[float]] = {"direct": [], "relay": [], "observed": []}
+    sampling, stop = threading.Event(), threading.Event()
+    sampler = threading.Thread(target=sample_while, args=(sampling, stop, [worker.pid for worker in workers]))
+    sampler.start()
     try:
         for _ in range(args.rounds):
             samples["direct"].append(decode_ms(model, direct, (4, 4), args.tokens))
             samples["relay"].append(decode_ms(model, relayed, (4, 4), args.tokens))
+            sampling.set()
+            samples["observed"].append(decode_ms(model, relayed, (4, 4), args.tokens))
+            sampling.clear()
         stats = [relay.stats for relay in relays]
     finally:
+        stop.set()
+        sampler.join()
         asyncio.run(host.close(relays))
         for worker in workers:
             worker.kill()
             worker.wait()
     rate = {label: 1000 / statistics.median(values) for label, values in samples.items()}
     for label, values in samples.items():
-        print(f"{label:<7} ms/token {', '.join(f'{value:.2f}' for value in values)}  median "
+        print(f"{label:<8} ms/token {', '.join(f'{value:.2f}' for value in values)}  median "
               f"{statistics.median(values):.2f} ({rate[label]:.1f} tok/s)")
     for index, stat in enumerate(stats):
         print(f"relay {index}: {stat.computes} computes + {stat.recomputes} recomputes, "
               f"{stat.bytes_to / 1e6:.1f} MB to / {stat.bytes_from / 1e6:.2f} MB from the worker, "
               f"compute {stat.compute_ms or 0:.2f} ms (moving avg)")
     print(f"decode tokens/s, relay / direct = {rate['relay'] / rate['direct']:.3f}   (goal >= 0.97)")
+    print(f"decode tokens/s, relay + node sampling / direct = {rate['observed'] / rate['direct']:.3f}   (goal >= 0.97)")
     return 0
 
 

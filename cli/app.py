@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 from collections.abc import Coroutine
@@ -153,6 +152,11 @@ def up(
     predicted = f", predicted {snapshot.predicted_ms:.1f} ms/token" if snapshot.predicted_ms else ""
     err.print(f"plan: {snapshot.strategy}, layers on {holding} of {ready} worker(s){predicted}; "
               "`ggml-cluster plan` says why", highlight=False, soft_wrap=True)
+    problem = next((event.message for event in reversed(snapshot.events) if event.kind == "metrics-failed"), None)
+    if problem:
+        err.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
+    elif snapshot.metrics_endpoint:
+        err.print(f"metrics: http://{snapshot.metrics_endpoint}/metrics", soft_wrap=True, highlight=False)
     err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
               f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
 
@@ -184,8 +188,7 @@ def status(
             await client.status(state)  # fail fast with a clear error when the cluster is not up
             await dashboard.live(state, out, interval)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        _execute(work())
+    _execute(work())
 
 
 @app.command()

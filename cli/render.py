@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -52,15 +54,49 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def compact(value: int) -> str:
+    """Bytes in at most four characters: ``512K``, ``3.3M``, ``24G``."""
+    amount = float(value)
+    for unit in "BKMGT":
+        if amount < 999.5 or unit == "T":
+            return f"{amount:.1f}{unit}" if amount < 9.95 and unit != "B" else f"{amount:.0f}{unit}"
+        amount /= 1024
+    return f"{amount:.0f}T"
+
+
+BAR_CELLS = 4
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def bar(fraction: float, cells: int = BAR_CELLS) -> str:
+    """A horizontal bar in eighths of a cell, ``░`` for the empty part."""
+    eighths = round(min(max(fraction, 0.0), 1.0) * cells * 8)
+    full, part = divmod(eighths, 8)
+    text = "█" * full + (_EIGHTHS[part] if part else "")
+    return text + "░" * (cells - len(text))
+
+
 def memory(node: NodeStatus) -> str:
-    """Free/total memory in the total's unit, e.g. ``21.3/23.5 GiB`` (``21/24 GiB`` from 10 up)."""
-    if not node.mem_total:
+    """What the worker holds of its node's memory: a bar and ``used/total``.
+
+    GPU nodes: device memory in use (nvidia-smi / rocm-smi). Others: the worker's resident memory against
+    the memory it reported. ``-`` where the node never reported its memory.
+    """
+    if node.gpu_mem_used is not None and node.gpu_mem_total:
+        used, total = node.gpu_mem_used, node.gpu_mem_total
+    elif node.mem_total:
+        used, total = node.rss, node.mem_total
+    else:
         return "-"
-    total = size(node.mem_total)
-    number, unit = total.split(" ")
-    scale = node.mem_total / float(number) if float(number) else 1.0
-    digits = 0 if float(number) >= 10 else 1
-    return f"{node.mem_free / scale:.{digits}f}/{float(number):.{digits}f} {unit}"
+    if used is None:
+        return f"{'░' * BAR_CELLS} -/{compact(total)}"
+    return f"{bar(used / total)} {compact(used)}/{compact(total)}"
+
+
+def load(node: NodeStatus) -> str:
+    """GPU busy on a GPU node, else the worker's CPU use (100% = one core)."""
+    value = node.gpu_percent if node.gpu_percent is not None else node.cpu_percent
+    return "-" if value is None else f"{value:.0f}%"
 
 
 def layers(node: NodeStatus) -> str:
@@ -71,52 +107,129 @@ def layers(node: NodeStatus) -> str:
     return f"{first}-{last}" if first != last else str(first)
 
 
-def header(status: ClusterStatus, now: float) -> Text:
-    """One line: cluster, model, coordinator, uptime."""
-    line = Text()
-    line.append(status.cluster, style="bold")
-    line.append(f"  model {status.model}  coordinator ")
-    line.append(str(status.coordinator.state), style=COORDINATOR_STYLE[status.coordinator.state])
+def header(status: ClusterStatus, now: float) -> list[Text]:
+    """Two lines: what runs (cluster, model, coordinator, uptime), then how it runs (rates, requests, plan)."""
+    first = Text()
+    first.append(status.cluster, style="bold")
+    first.append(f"  model {status.model}  coordinator ")
+    first.append(str(status.coordinator.state), style=COORDINATOR_STYLE[status.coordinator.state])
     if status.coordinator.restarts:
-        line.append(f" (restarts {status.coordinator.restarts})")
-    line.append(f"  up {duration(now - status.started_at)}")
+        first.append(f" (restarts {status.coordinator.restarts})")
+    first.append(f"  up {duration(now - status.started_at)}")
+    parts = []
+    if status.decode_tokens_per_s is not None:
+        parts.append(f"decode {status.decode_tokens_per_s:.1f} tok/s")
+    if status.prompt_tokens_per_s is not None:
+        parts.append(f"prompt {status.prompt_tokens_per_s:.0f} tok/s")
+    parts.append(f"requests {status.requests_served}" + (
+        f" ({status.requests_in_flight} in flight)" if status.requests_in_flight else ""))
+    if status.recoveries:
+        parts.append(f"recoveries {status.recoveries}")
     if status.predicted_ms:
-        line.append(f"  plan {status.predicted_ms:.1f} ms/tok")
-    return line
+        parts.append(f"plan {status.predicted_ms:.1f} ms/tok")
+    return [first, Text("  ".join(parts))]
 
 
-def node_table(status: ClusterStatus) -> Table:
-    """One row per node."""
-    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold")
-    for column in ("NODE", "BACKEND", "STATE", "LAYERS", "FREE/MEM", "MS/TOK", "COMPUTES", "RESTARTS"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("LAST STATUS", overflow="fold", min_width=11)
-    for node in status.nodes:
-        # ms/token as the relay measures it; only meaningful for a node that holds layers.
-        compute = f"{node.compute_ms:.2f}" if node.compute_ms is not None and node.layers else "-"
-        table.add_row(
-            node.name, f"{node.arch or '?'}/{node.backend or '?'}",
-            Text(str(node.state), style=STATE_STYLE[node.state]), layers(node), memory(node), compute,
-            str(node.computes + node.recomputes), str(node.restarts), node.last_error or node.last_status or "ok")
-    return table
+@dataclass(frozen=True)
+class _Column:
+    title: str
+    cell: Callable[[NodeStatus], str]
+    right: bool = False   # numbers line up on the right
+    optional: bool = False  # shown only where the width leaves room
 
 
-def event_lines(status: ClusterStatus, count: int = 5) -> Text:
-    """The latest events, oldest first."""
-    text = Text()
+def _compute(node: NodeStatus) -> str:
+    # ms/token as the relay measures it; only meaningful for a node that holds layers.
+    return f"{node.compute_ms:.2f}" if node.compute_ms is not None and node.layers else "-"
+
+
+NODE_COLUMNS = (
+    _Column("NODE", lambda node: node.name),
+    _Column("BACKEND", lambda node: f"{node.arch or '?'}/{node.backend or '?'}"),
+    _Column("STATE", lambda node: str(node.state)),
+    _Column("LAYERS", layers),
+    _Column("MEMORY", memory),
+    _Column("LOAD", load, right=True, optional=True),
+    _Column("MS/TOK", _compute, right=True),
+    _Column("COMPUTES", lambda node: str(node.computes + node.recomputes), right=True),
+    _Column("RESTARTS", lambda node: str(node.restarts), right=True),
+)
+
+
+def node_lines(status: ClusterStatus, width: int) -> list[Text]:
+    """The node table: a row per node, and under a row the node's last status when it has one.
+
+    Optional columns are dropped until the rest fit ``width``; the status line gets the whole width, so
+    an error is readable at 80 columns.
+    """
+    cells = {column: [column.cell(node) for node in status.nodes] for column in NODE_COLUMNS}
+    widths = {column: max(len(column.title), *(len(cell) for cell in cells[column])) for column in NODE_COLUMNS}
+    shown = list(NODE_COLUMNS)
+    for column in reversed(NODE_COLUMNS):
+        if sum(widths[each] for each in shown) + len(shown) - 1 <= width:
+            break
+        if column.optional:
+            shown.remove(column)
+
+    def line(values: list[str], styles: dict[int, str] | None = None) -> Text:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for index, (column, value) in enumerate(zip(shown, values, strict=True)):
+            padded = value.rjust(widths[column]) if column.right else value.ljust(widths[column])
+            if index == len(shown) - 1:
+                padded = padded.rstrip() if not column.right else padded
+            text.append(padded, style=(styles or {}).get(index, ""))
+            if index < len(shown) - 1:
+                text.append(" ")
+        return text
+
+    lines = [line([column.title for column in shown], dict.fromkeys(range(len(shown)), "bold"))]
+    state_index = shown.index(NODE_COLUMNS[2])
+    for row, node in enumerate(status.nodes):
+        lines.append(line([cells[column][row] for column in shown], {state_index: STATE_STYLE[node.state]}))
+        last = node.last_error or node.last_status
+        if not last and node.state == NodeState.READY and node.layers is None and status.tensor_split:
+            last = "no layers in this plan; `ggml-cluster plan` says why"
+        if last:
+            style = {NodeState.FAILED: "red", NodeState.RESTARTING: "yellow"}.get(node.state, "dim")
+            lines.append(Text(f"  └ {last}", style=style, no_wrap=True, overflow="ellipsis"))
+    return lines
+
+
+def event_lines(status: ClusterStatus, count: int = 5) -> list[Text]:
+    """The latest events, oldest first, a line each."""
+    lines = []
     for event in status.events[-count:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
         where = f"[{event.node}] " if event.node else ""
-        text.append(f"{stamp} {where}{event.kind}: {event.message}\n", style="dim")
-    return text
+        lines.append(Text(f"{stamp} {where}{event.kind}: {event.message}", style="dim", no_wrap=True,
+                          overflow="ellipsis"))
+    return lines
 
 
-def status_view(status: ClusterStatus, now: float | None = None, events: int = 5) -> RenderableType:
+@dataclass(frozen=True)
+class StatusView:
+    """The status screen of one snapshot, laid out for the width it is drawn at (so a resize re-lays it)."""
+
+    status: ClusterStatus
+    now: float | None = None  # None: the time it is drawn at, so a live screen's uptime keeps moving
+    events: int = 5
+
+    def lines(self, width: int) -> list[Text]:
+        """The screen as lines, at most ``width`` cells wide."""
+        now = time.time() if self.now is None else self.now
+        lines = [*header(self.status, now), Text(), *node_lines(self.status, width)]
+        if self.events and self.status.events:
+            lines += [Text(), Text("events", style="bold"), *event_lines(self.status, self.events)]
+        return lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """Rich's rendering hook."""
+        yield from self.lines(options.max_width)
+
+
+def status_view(status: ClusterStatus, now: float | None = None, events: int = 5) -> StatusView:
     """The whole status screen."""
-    parts: list[RenderableType] = [header(status, time.time() if now is None else now), node_table(status)]
-    if events and status.events:
-        parts += [Text("events", style="bold"), event_lines(status, events)]
-    return Group(*parts)
+    return StatusView(status, now, events)
 
 
 def to_text(renderable: RenderableType, width: int = 100) -> str:

@@ -26,8 +26,9 @@ from typing import Any
 from core import worker
 from core.build import cache_dir, deploy_worker, node_root
 from core.coordinator import CoordinatorConfig
-from core.errors import ClusterError, DeployError, PlanError, ProfileError, RequestError, WorkerError
+from core.errors import ClusterError, ConnectError, DeployError, PlanError, ProfileError, RequestError, WorkerError
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
+from core.metrics import MetricsServer, Sample, cpu_percent, parse_sample, sample_command, serve_metrics
 from core.model import ModelFacts, read_model
 from core.planner import (
     NodeCapacity,
@@ -60,6 +61,7 @@ RECOVERY_TIMEOUT_S = 120.0  # a request waits this long for the cluster to come 
 MAX_RECOVERIES = 5          # per request
 PARALLEL_NODES = 16         # nodes connected, probed and deployed at once
 EVENT_MEMORY = 50
+METRICS_INTERVAL_S = 2.0    # how often each worker's CPU, memory and GPU use is sampled on its node
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ class Controller:
         self.requests_waiting = 0  # in flight: generating, or queued behind the one that is
         self.recoveries = 0
         self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
+        self._current: _Progress | None = None  # the request generating now
+        self.metrics: MetricsServer | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._coordinator_ready = asyncio.Event()
@@ -191,11 +195,19 @@ class Controller:
             tensor_split=list(self.plan.tensor_split) if self.plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
             requests_in_flight=self.requests_waiting, recoveries=self.recoveries,
-            prompt_tokens_per_s=self.rates["prompt"], decode_tokens_per_s=self.rates["decode"],
+            prompt_tokens_per_s=self.rates["prompt"], decode_tokens_per_s=self._decode_rate(),
+            metrics_endpoint=self.metrics.address if self.metrics else "",
             strategy=self.plan.strategy if self.plan else "",
             predicted_ms=None if self.plan is None or self.plan.predicted_total_s is None
             else self.plan.predicted_total_s * 1000,
             overhead_ms=None if self.profiles is None else self.profiles.overhead_s * 1000)
+
+    def _decode_rate(self) -> float | None:
+        """Tokens/s of the request generating now (since its first token), else of the last one."""
+        current = self._current
+        if current is None or current.first_token_s is None or len(current.generated) < 2:
+            return self.rates["decode"]
+        return (len(current.generated) - 1) / (time.perf_counter() - current.started - current.first_token_s)
 
     @staticmethod
     def _node_status(runtime: NodeRuntime) -> NodeStatus:
@@ -260,6 +272,7 @@ class Controller:
             runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
             await self._relay(runtime, runtime.endpoint)
             self._spawn(self._probe_until_ready(runtime))
+            self._spawn(self._sample(runtime))
             await self._follow(runtime, offset)
         except ClusterError as exc:
             self._fail_node(runtime, str(exc))
@@ -271,6 +284,30 @@ class Controller:
             runtime.relay, runtime.relayed = await self._relays.relay(
                 endpoint, lambda message: self.record("relay", message, name))
         runtime.relay.target = endpoint
+
+    async def _sample(self, runtime: NodeRuntime) -> None:
+        """Sample the worker's CPU, memory and GPU use on its node, over the node's own connection."""
+        status = runtime.status
+        previous: tuple[Sample, float] | None = None
+        while not self._stopping and runtime.spec is not None:
+            await asyncio.sleep(METRICS_INTERVAL_S)
+            try:
+                result = await runtime.remote.run(sample_command(runtime.spec.workdir, status.backend), timeout=10)
+            except ConnectError:
+                result = None  # the node's connection is down; its events say so
+            sample = parse_sample(result.stdout) if result else None
+            now = time.monotonic()
+            status.cpu_percent = cpu_percent(previous[0], sample, now - previous[1]) if previous and sample else None
+            status.rss = sample.rss if sample else None
+            gpus = sample.gpus if sample else ()
+            busy = [gpu.utilization for gpu in gpus if gpu.utilization is not None]
+            status.gpu_percent = sum(busy) / len(busy) if busy else None
+            known = [gpu for gpu in gpus if gpu.memory_total is not None and gpu.memory_free is not None]
+            status.gpu_mem_total = sum(gpu.memory_total or 0 for gpu in known) if known else None
+            status.gpu_mem_used = (sum((gpu.memory_total or 0) - (gpu.memory_free or 0) for gpu in known)
+                                   if known else None)
+            previous = (sample, now) if sample else None
+            self.notify()
 
     async def _prepare(self, runtime: NodeRuntime) -> worker.WorkerSpec:
         """Reach, probe and deploy an ssh node; a local node runs the binary `up` built."""
@@ -674,23 +711,30 @@ class Controller:
 
     async def _generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         async with self._request_lock:
-            progress = _Progress()
-            rid = 0
-            while True:
-                await self._await_coordinator(progress.recoveries)
-                rid += 1
-                process, messages = self._process, self._messages
-                if process is None or process.stdin is None:
-                    continue
-                cause = await self._attempt(request, progress, rid, process=process, messages=messages, send=send)
-                if cause is None:
-                    return
-                self.recoveries += 1
-                progress.recoveries.append({"at_token": len(progress.generated), "time": time.time(),
-                                            "cause": cause})
-                if len(progress.recoveries) > MAX_RECOVERIES:
-                    raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; last: {cause}")
-                await send({"event": "notice", "message": f"recovering: {cause}; resuming"})
+            progress = self._current = _Progress()
+            try:
+                await self._resume_until_done(request, progress, send)
+            finally:
+                self._current = None
+
+    async def _resume_until_done(self, request: dict[str, Any], progress: _Progress,
+                                 send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        rid = 0
+        while True:
+            await self._await_coordinator(progress.recoveries)
+            rid += 1
+            process, messages = self._process, self._messages
+            if process is None or process.stdin is None:
+                continue
+            cause = await self._attempt(request, progress, rid, process=process, messages=messages, send=send)
+            if cause is None:
+                return
+            self.recoveries += 1
+            progress.recoveries.append({"at_token": len(progress.generated), "time": time.time(),
+                                        "cause": cause})
+            if len(progress.recoveries) > MAX_RECOVERIES:
+                raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; last: {cause}")
+            await send({"event": "notice", "message": f"recovering: {cause}; resuming"})
 
     async def _attempt(self, request: dict[str, Any], progress: _Progress, rid: int, *,
                        process: asyncio.subprocess.Process, messages: asyncio.Queue[dict[str, Any]],
@@ -912,6 +956,7 @@ async def serve(state: StateDir) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(controller.shutdown()))
     controller.record("controller", f"controller started (pid {os.getpid()})")
+    _serve_metrics(controller, loop)
     await controller.start_nodes()
 
     async def first_start() -> None:
@@ -924,10 +969,27 @@ async def serve(state: StateDir) -> int:
 
     controller._spawn(first_start())
     await controller.finished.wait()
+    if controller.metrics is not None:
+        await asyncio.to_thread(controller.metrics.close)  # a scrape in progress needs this loop to finish
     server.close()
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)
     return 0
+
+
+def _serve_metrics(controller: Controller, loop: asyncio.AbstractEventLoop) -> None:
+    """Start the Prometheus endpoint; a port in use is an event and a warning, not a reason to stop."""
+    settings = controller.inventory.metrics
+    if not settings.enabled:
+        return
+    try:
+        controller.metrics = serve_metrics(settings.host, settings.port, controller.snapshot, loop)
+    except OSError as exc:
+        controller.record("metrics-failed", f"no metrics endpoint: cannot listen on {settings.host}:{settings.port} "
+                          f"({exc.strerror or exc}); fix: set metrics.port (0: any free port) or "
+                          "metrics.enabled: false")
+        return
+    controller.record("metrics", f"Prometheus metrics on http://{controller.metrics.address}/metrics")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,6 +129,14 @@ class Api(_Frozen):
     port: Port = 8080
 
 
+class Metrics(_Frozen):
+    """The controller's Prometheus endpoint (GET /metrics)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535, strict=True)] = 9464  # 0: any free port (`status` shows it)
+
+
 class Inventory(_Frozen):
     """A validated cluster description."""
 
@@ -142,6 +150,7 @@ class Inventory(_Frozen):
     # compute: least time per token (one request at a time) or the least bottleneck (a pipeline).
     objective: Literal["latency", "throughput"] = "latency"
     api: Api = Field(default_factory=Api)
+    metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     nodes: tuple[Node, ...]
     source: str = EMBEDDED_SOURCE
@@ -237,7 +246,7 @@ def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
     if "source" in raw:
         raise InventoryError(locate.at(("source",), "unknown key 'source'"), "fix: remove it")
     inventory: Inventory = _validate(Inventory, top, (), locate)
-    _check_api_port(inventory, locate)
+    _check_local_ports(inventory, locate)
     return inventory
 
 
@@ -260,15 +269,23 @@ def _check_unique(nodes: Sequence[Node], locate: _Locator) -> None:
         ports[key] = index
 
 
-def _check_api_port(inventory: Inventory, locate: _Locator) -> None:
-    if inventory.api.host not in LOOPBACK_HOSTS:
-        return
+def _check_local_ports(inventory: Inventory, locate: _Locator) -> None:
+    """The API and metrics ports on this machine must not be a local worker's port, nor each other."""
+    # A listener on another address of this machine does not take the workers' loopback ports.
+    local = LOOPBACK_HOSTS | {"0.0.0.0", "::"}
+    listeners = {("api", "port"): inventory.api.port} if inventory.api.host in local else {}
+    if inventory.metrics.enabled and inventory.metrics.port and inventory.metrics.host in local:
+        listeners[("metrics", "port")] = inventory.metrics.port
+        if inventory.metrics.port == inventory.api.port:
+            raise InventoryError(locate.at(("metrics", "port"), f"port {inventory.metrics.port} is also api.port"),
+                                 "fix: give the metrics endpoint and the API their own ports")
     for index, node in enumerate(inventory.nodes):
-        if node.address == "localhost" and node.rpc_port == inventory.api.port:
-            raise InventoryError(
-                locate.at(("nodes", index, "rpc_port"),
-                          f"port {node.rpc_port} clashes with api.port on this machine"),
-                "fix: use another rpc_port or api.port")
+        for (section, field), port in listeners.items():
+            if node.address == "localhost" and node.rpc_port == port:
+                raise InventoryError(
+                    locate.at(("nodes", index, "rpc_port"),
+                              f"port {node.rpc_port} clashes with {section}.{field} on this machine"),
+                    f"fix: use another rpc_port or {section}.{field}")
 
 
 def _validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate: _Locator,

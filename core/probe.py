@@ -27,6 +27,7 @@ class Gpu:
     memory_free: int | None
     index: int | None = None
     unified: bool = False  # memory shared with the CPU (Apple silicon, GB10, Jetson, integrated GPUs)
+    utilization: float | None = None  # percent busy, where the tool was asked for it
 
 
 @dataclass(frozen=True)
@@ -131,12 +132,13 @@ _HARDWARE_SECTIONS = (
 )
 
 
-def _make_script(sections: Iterable[tuple[str, str]]) -> str:
+def make_script(sections: Iterable[tuple[str, str]]) -> str:
+    """One shell script that prints each command's output after an ``==name==`` line (see `split_sections`)."""
     return "\n".join(f"echo =={name}==; {{ {command}; }} 2>/dev/null || true" for name, command in sections)
 
 
-TOOLCHAIN_COMMAND = _make_script(_TOOLCHAIN_SECTIONS)
-PROBE_COMMAND = _make_script(_HARDWARE_SECTIONS + _TOOLCHAIN_SECTIONS)
+TOOLCHAIN_COMMAND = make_script(_TOOLCHAIN_SECTIONS)
+PROBE_COMMAND = make_script(_HARDWARE_SECTIONS + _TOOLCHAIN_SECTIONS)
 
 _MARKER = re.compile(r"==([a-z0-9_-]+)==")
 _KNOWN_ARCH = re.compile(r"x86_64|amd64|i[3-6]86|aarch64|arm64|armv\d+\w*|riscv64|ppc64(le)?|s390x|loongarch64|mips\w*")
@@ -267,7 +269,8 @@ def parse_nvidia_smi_csv(text: str, columns: Sequence[str] = NVIDIA_SMI_FIELDS) 
             free = total - used
         index = row.get("index", "")
         gpus.append(Gpu("nvidia", row.get("name", ""), total, free, int(index) if index.isdigit() else None,
-                        unified=_is_unreported(row.get("memory.total", ""))))
+                        unified=_is_unreported(row.get("memory.total", "")),
+                        utilization=_percent(row.get("utilization.gpu", ""))))
     return tuple(gpus)
 
 
@@ -277,6 +280,12 @@ def _drop_unit(header: str) -> str:
 
 def _is_unreported(cell: str) -> bool:
     return cell.strip().strip("[]").lower() in {"n/a", "not supported"}
+
+
+def _percent(cell: str) -> float | None:
+    """50.0 from "50", "50 %" or "50%"; None for "[N/A]" and the like."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%?", cell.strip())
+    return float(match.group(1)) if match else None
 
 
 def _parse_size(cell: str, default_unit: str) -> int | None:
@@ -343,7 +352,7 @@ def parse_rocm_smi_csv(text: str) -> tuple[Gpu, ...]:
         card = re.search(r"(\d+)$", row.get("device", ""))
         name = row.get("card series") or row.get("device name") or row.get("card model") or ""
         gpus.append(Gpu("amd", name, total, total - used if total is not None and used is not None else None,
-                        int(card.group(1)) if card else None))
+                        int(card.group(1)) if card else None, utilization=_percent(row.get("gpu use (%)", ""))))
     return tuple(gpus)
 
 

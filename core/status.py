@@ -76,6 +76,11 @@ class NodeStatus:
     compute_ms: float | None = None   # measured: GRAPH_COMPUTE to its answer, moving average
     link: str = ""                    # the coordinator's connection: connected | idle
     endpoint: str = ""                # the worker as the controller reaches it (an SSH forward, or direct)
+    cpu_percent: float | None = None  # the worker process, sampled on its node (100 = one core)
+    rss: int | None = None            # the worker's resident memory, bytes
+    gpu_percent: float | None = None  # GPU busy, mean over the node's GPUs (GPU backends only)
+    gpu_mem_used: int | None = None   # GPU memory in use on the node, bytes
+    gpu_mem_total: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
@@ -121,8 +126,9 @@ class ClusterStatus:
     overhead_ms: float | None = None   # the coordinator's own share of a token, measured with the nodes
     requests_in_flight: int = 0        # generating, or waiting for the one that is
     recoveries: int = 0                # requests resumed after a fault, since the controller started
-    prompt_tokens_per_s: float | None = None  # of the last finished request
-    decode_tokens_per_s: float | None = None
+    prompt_tokens_per_s: float | None = None  # of the last request
+    decode_tokens_per_s: float | None = None  # of the running request, else of the last one
+    metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (`status --json`)."""
@@ -144,6 +150,7 @@ class ClusterStatus:
             "recoveries": self.recoveries,
             "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "metrics_endpoint": self.metrics_endpoint,
         }
 
     @classmethod
@@ -175,4 +182,5 @@ class ClusterStatus:
             recoveries=data.get("recoveries", 0),
             prompt_tokens_per_s=data.get("prompt_tokens_per_s"),
             decode_tokens_per_s=data.get("decode_tokens_per_s"),
+            metrics_endpoint=data.get("metrics_endpoint", ""),
         )

@@ -46,6 +46,12 @@ BAD = {
                            "bad.yaml:3: nodes[0] (x): transport: direct binds the worker to 'host'"),
     "api port clash": ("cluster: a\napi: {port: 50052}\nnodes:\n  - name: x\n    kind: local\n",
                        "nodes[0].rpc_port: port 50052 clashes with api.port"),
+    "metrics port clash": ("cluster: a\nmetrics: {port: 50052}\nnodes:\n  - name: x\n    kind: local\n",
+                           "nodes[0].rpc_port: port 50052 clashes with metrics.port"),
+    "metrics on the api port": ("cluster: a\nmetrics: {port: 8080}\nnodes:\n  - name: x\n    kind: local\n",
+                                "bad.yaml:2: metrics.port: port 8080 is also api.port"),
+    "metrics port out of range": ("cluster: a\nmetrics: {port: -1}\nnodes:\n  - name: x\n    kind: local\n",
+                                  "metrics.port: -1: input should be greater than or equal to 0"),
 }
 
 

@@ -231,8 +231,8 @@ def test_sysctl_intel_feature_words() -> None:
 
 def test_nvidia_csv_header_two_gpus() -> None:
     gpus = parse_nvidia_smi_csv(fixture("nvidia-smi_csv_header_2gpu_gtx1080ti-gtx1060_bpytop-issue26.csv"))
-    assert gpus == (Gpu("nvidia", "GeForce GTX 1080 Ti", 11175 * MIB, (11175 - 2856) * MIB),
-                    Gpu("nvidia", "GeForce GTX 1060 6GB", 6078 * MIB, (6078 - 4) * MIB))
+    assert gpus == (Gpu("nvidia", "GeForce GTX 1080 Ti", 11175 * MIB, (11175 - 2856) * MIB, utilization=36.0),
+                    Gpu("nvidia", "GeForce GTX 1060 6GB", 6078 * MIB, (6078 - 4) * MIB, utilization=0.0))
 
 
 def test_nvidia_csv_header_gb10_unified() -> None:
@@ -242,9 +242,9 @@ def test_nvidia_csv_header_gb10_unified() -> None:
 
 @pytest.mark.parametrize(("name", "gpu"), [
     ("nvidia-smi_query-gpu_allfields_csv_h100-80gb_590.48.01.csv",
-     Gpu("nvidia", "NVIDIA H100 80GB HBM3", 81559 * MIB, 81081 * MIB, 0)),
+     Gpu("nvidia", "NVIDIA H100 80GB HBM3", 81559 * MIB, 81081 * MIB, 0, utilization=0.0)),
     ("nvidia-smi_query-gpu_allfields_csv_rtx4080super_595.71.05.csv",
-     Gpu("nvidia", "NVIDIA GeForce RTX 4080 SUPER", 16376 * MIB, 15348 * MIB, 0)),
+     Gpu("nvidia", "NVIDIA GeForce RTX 4080 SUPER", 16376 * MIB, 15348 * MIB, 0, utilization=0.0)),
 ])
 def test_nvidia_csv_all_fields_by_header(name: str, gpu: Gpu) -> None:
     assert parse_nvidia_smi_csv(fixture(name)) == (gpu,)
@@ -253,7 +253,7 @@ def test_nvidia_csv_all_fields_by_header(name: str, gpu: Gpu) -> None:
 def test_nvidia_csv_noheader_with_units() -> None:
     text = fixture("nvidia-smi_csv_noheader_units_a10-vgpu_gpustack-issue888.txt")
     columns = ("index", "name", "memory.total", "memory.used", "utilization.gpu", "temperature.gpu")
-    a10 = Gpu("nvidia", "NVIDIA A10-12Q", 12288 * MIB, (12288 - 227) * MIB, 0)
+    a10 = Gpu("nvidia", "NVIDIA A10-12Q", 12288 * MIB, (12288 - 227) * MIB, 0, utilization=0.0)
     assert parse_nvidia_smi_csv(text, columns) == (a10,)
     assert parse_nvidia_smi_csv(text) == ()  # not the probe's four columns: skipped, not misread
 
@@ -265,7 +265,7 @@ def test_nvidia_csv_noheader_with_units() -> None:
 def test_nvidia_csv_noheader_nounits_na_fields(name: str) -> None:
     columns = ("memory.total", "memory.free", "memory.used", "temperature.gpu", "fan.speed", "utilization.gpu",
                "utilization.memory")
-    assert parse_nvidia_smi_csv(fixture(name), columns) == (Gpu("nvidia", "", 2004 * MIB, 2004 * MIB),)
+    assert parse_nvidia_smi_csv(fixture(name), columns) == (Gpu("nvidia", "", 2004 * MIB, 2004 * MIB, utilization=0.0),)
 
 
 def test_nvidia_csv_noheader_gb10() -> None:
@@ -322,7 +322,7 @@ def test_rocm_smi_csv_dgpu_and_igpu() -> None:
 
 def test_rocm_smi_csv_7900xt() -> None:
     gpus = parse_rocm_smi_csv(fixture(ROCM_7900XT))
-    assert gpus == (Gpu("amd", "Radeon RX 7900 XT", 21458059264, 21458059264 - 27856896, 0),)
+    assert gpus == (Gpu("amd", "Radeon RX 7900 XT", 21458059264, 21458059264 - 27856896, 0, utilization=0.0),)
 
 
 def test_rocm_smi_csv_after_a_warning() -> None:

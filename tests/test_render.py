@@ -2,61 +2,159 @@
 
 from __future__ import annotations
 
-from cli.render import duration, run_summary, size, status_view, to_text
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from cli.render import bar, compact, duration, run_summary, size, status_view, to_text
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, Event, NodeState, NodeStatus
 
 GIB = 1 << 30
+MIB = 1 << 20
 T0 = 1_800_000_000.0
 
 
-def snapshot() -> ClusterStatus:
+@pytest.fixture(autouse=True)
+def utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Event times print in local time; these tests print them in UTC."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def node(name: str, layers: tuple[int, int] | None, **fields: object) -> NodeStatus:
+    values: dict[str, object] = {
+        "host": "localhost", "kind": "local", "rpc_port": 50152, "arch": "x86_64", "backend": "cpu",
+        "state": NodeState.READY, "layers": layers, "mem_total": 23 * GIB + 512 * MIB, "mem_free": 20 * GIB,
+        "rss": 850 * MIB, "cpu_percent": 97.4, "computes": 1210, "compute_ms": 4.25, **fields}
+    return NodeStatus(name=name, **values)  # type: ignore[arg-type]
+
+
+def healthy() -> ClusterStatus:
     return ClusterStatus(
-        cluster="lab", model="demo.gguf",
-        coordinator=CoordinatorStatus(state=CoordinatorState.READY, endpoint="unix:/s", restarts=1),
+        cluster="homelab", model="qwen2.5-7b-q4_k_m.gguf",
+        coordinator=CoordinatorStatus(state=CoordinatorState.GENERATING, endpoint="unix:/s"),
         nodes=[
-            NodeStatus(name="a", host="localhost", kind="local", rpc_port=50152, arch="x86_64", backend="cpu",
-                       state=NodeState.READY, layers=(0, 4), mem_total=24 * GIB, mem_free=20 * GIB,
-                       computes=3, recomputes=120, compute_ms=4.25),
-            NodeStatus(name="b", host="localhost", kind="local", rpc_port=50153, arch="x86_64", backend="cpu",
-                       state=NodeState.RESTARTING, layers=(5, 7), mem_total=24 * GIB, mem_free=24 * GIB,
-                       restarts=2, last_status="killed by SIGKILL"),
-            NodeStatus(name="c", host="localhost", kind="local", rpc_port=50154, arch="x86_64", backend="cpu",
-                       state=NodeState.FAILED, restarts=5, last_error="crash loop: exit code 1"),
+            node("rtx4090", (0, 19), arch="x86_64", backend="cuda", mem_total=24 * GIB, rss=300 * MIB,
+                 gpu_mem_used=18 * GIB + 300 * MIB, gpu_mem_total=24 * GIB, gpu_percent=88.0, compute_ms=9.12),
+            node("pi5", (20, 27), arch="aarch64", mem_total=8 * GIB, rss=int(2.4 * GIB), cpu_percent=398.2,
+                 computes=1209),
         ],
-        events=[Event(time=T0 + 5, kind="worker-exit", message="worker exited after 3s: killed by SIGKILL",
-                      node="b")],
-        started_at=T0, predicted_ms=9.5,
-    )
+        events=[Event(time=T0 + 5, kind="worker", message="worker started", node="pi5"),
+                Event(time=T0 + 9, kind="plan", message="compute (latency): layers on 2 of 2 worker(s)")],
+        started_at=T0, requests_served=12, requests_in_flight=1, decode_tokens_per_s=41.26,
+        prompt_tokens_per_s=512.3, predicted_ms=23.5, tensor_split=[0.7, 0.3])
 
 
-def test_status_view_exact_text() -> None:
-    text = to_text(status_view(snapshot(), now=T0 + 125), width=100)
-    lines = text.splitlines()
-    assert lines[0].rstrip() == "lab  model demo.gguf  coordinator ready (restarts 1)  up 2m05s  plan 9.5 ms/tok"
-    assert [line.rstrip() for line in lines[1:5]] == [
-        "NODE BACKEND    STATE      LAYERS FREE/MEM  MS/TOK COMPUTES RESTARTS LAST STATUS",
-        "a    x86_64/cpu ready      0-4    20/24 GiB 4.25   123      0        ok",
-        "b    x86_64/cpu restarting 5-7    24/24 GiB -      0        2        killed by SIGKILL",
-        "c    x86_64/cpu failed     -      -         -      0        5        crash loop: exit code 1",
+def when(status: ClusterStatus, **nodes: dict[str, object]) -> ClusterStatus:
+    """The snapshot with some nodes' fields changed."""
+    changed = [dataclasses.replace(each, **nodes.get(each.name, {})) for each in status.nodes]
+    return dataclasses.replace(status, nodes=changed)
+
+
+def screen(status: ClusterStatus, width: int = 80) -> list[str]:
+    return [line.rstrip() for line in to_text(status_view(status, now=T0 + 125), width=width).splitlines()]
+
+
+HEADER = [
+    "homelab  model qwen2.5-7b-q4_k_m.gguf  coordinator generating  up 2m05s",
+    "decode 41.3 tok/s  prompt 512 tok/s  requests 12 (1 in flight)  plan 23.5 ms/tok",
+    "",
+]
+EVENTS = [
+    "",
+    "events",
+    "08:00:05 [pi5] worker: worker started",
+    "08:00:09 plan: compute (latency): layers on 2 of 2 worker(s)",
+]
+
+
+def test_healthy_cluster() -> None:
+    assert screen(healthy()) == [
+        *HEADER,
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12     1210        0",
+        "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25     1209        0",
+        *EVENTS,
     ]
-    assert lines[5] == "events"
-    assert lines[6].endswith("[b] worker-exit: worker exited after 3s: killed by SIGKILL")
 
 
-def test_status_view_fits_80_columns() -> None:
-    text = to_text(status_view(snapshot(), now=T0), width=80)
-    assert all(len(line) <= 80 for line in text.splitlines())
-    for expected in ("a ", "restarting", "failed", "5-7", "LAST STATUS", "killed by SIGKILL"):
-        assert expected in text
+def test_a_node_restarting() -> None:
+    status = when(healthy(), pi5={"state": NodeState.RESTARTING, "restarts": 1, "rss": None, "cpu_percent": None,
+                                  "last_status": "killed by SIGKILL", "last_error": "killed by SIGKILL"})
+    status.events.append(Event(time=T0 + 120, kind="worker-exit", message="worker exited after 111s: killed by "
+                                                                           "SIGKILL", node="pi5"))
+    assert screen(status) == [
+        *HEADER,
+        "NODE    BACKEND     STATE      LAYERS MEMORY       LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready      0-19   ███░ 18G/24G  88%   9.12     1210        0",
+        "pi5     aarch64/cpu restarting 20-27  ░░░░ -/8.0G     -   4.25     1209        1",
+        "  └ killed by SIGKILL",
+        *EVENTS,
+        "08:02:00 [pi5] worker-exit: worker exited after 111s: killed by SIGKILL",
+    ]
+
+
+def test_a_failed_node() -> None:
+    status = when(healthy(), pi5={"state": NodeState.FAILED, "restarts": 5, "layers": None, "rss": None,
+                                  "cpu_percent": None, "compute_ms": None,
+                                  "last_status": "out of memory (ggml_aligned_malloc failed)",
+                                  "last_error": "crash loop: out of memory (ggml_aligned_malloc failed)"})
+    status.coordinator.state = CoordinatorState.READY
+    status.requests_in_flight = 0
+    status.recoveries = 1
+    assert screen(status) == [
+        "homelab  model qwen2.5-7b-q4_k_m.gguf  coordinator ready  up 2m05s",
+        "decode 41.3 tok/s  prompt 512 tok/s  requests 12  recoveries 1  plan 23.5 ms/tok",
+        "",
+        "NODE    BACKEND     STATE  LAYERS MEMORY       LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready  0-19   ███░ 18G/24G  88%   9.12     1210        0",
+        "pi5     aarch64/cpu failed -      ░░░░ -/8.0G     -      -     1209        5",
+        "  └ crash loop: out of memory (ggml_aligned_malloc failed)",
+        *EVENTS,
+    ]
+
+
+def test_a_node_with_no_layers() -> None:
+    status = when(healthy(), pi5={"layers": None, "computes": 0, "compute_ms": None, "cpu_percent": 0.0,
+                                  "rss": 12 * MIB})
+    assert screen(status) == [
+        *HEADER,
+        "NODE    BACKEND     STATE LAYERS MEMORY        LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G   88%   9.12     1210        0",
+        "pi5     aarch64/cpu ready -      ░░░░ 12M/8.0G   0%      -        0        0",
+        "  └ no layers in this plan; `ggml-cluster plan` says why",
+        *EVENTS,
+    ]
+
+
+def test_narrow_screens_drop_the_load_column_first_and_never_overflow() -> None:
+    wide = screen(healthy(), width=120)
+    assert "LOAD" in wide[3]
+    long_name = when(healthy(), pi5={"name": "raspberry-pi-5"})
+    narrow = screen(long_name, width=80)
+    assert "LOAD" not in narrow[3] and "MS/TOK" in narrow[3]
+    assert all(len(line) <= 80 for line in narrow)
+
+
+def test_live_screen_uptime_moves_with_the_clock() -> None:
+    view = status_view(dataclasses.replace(healthy(), started_at=time.time() - 65))
+    assert "up 1m05s" in to_text(view, width=80) or "up 1m06s" in to_text(view, width=80)
 
 
 def test_round_trip_through_json() -> None:
-    original = snapshot()
+    original = healthy()
     assert ClusterStatus.from_dict(original.to_dict()) == original
 
 
 def test_small_formatters() -> None:
     assert size(512) == "512 B" and size(3 * GIB // 2) == "1.5 GiB"
+    assert compact(512) == "512B" and compact(3_460_000) == "3.3M" and compact(23 * GIB + 512 * MIB) == "24G"
+    assert bar(0) == "░░░░" and bar(1) == "████" and bar(0.5) == "██░░" and bar(0.6) == "██▍░"
     assert duration(59) == "59s" and duration(3725) == "1h02m"
     assert run_summary({"completion_tokens": 3, "timings": {"decode_tokens_per_s": 10.0, "first_token_s": 0.25},
                         "recoveries": [{}]}) == "3 tokens, 10.0 tok/s, first token 250 ms, 1 recovery"

@@ -1,0 +1,121 @@
+"""Node metrics: the sample script and its parsers, CPU use from two samples, and the Prometheus families."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+from core.metrics import Sample, cpu_percent, families, parse_proc, parse_ps, parse_sample, sample_command
+from core.probe import parse_nvidia_smi_csv, parse_rocm_smi_csv
+from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, NodeState, NodeStatus
+from tests.harness import FIXTURES
+
+GIB = 1 << 30
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / "metrics" / name).read_text()
+
+
+def test_sample_of_a_real_process_on_this_machine(tmp_path: Path) -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.time()"])
+    try:
+        (tmp_path / "worker.pid").write_text(str(busy.pid))
+        command = sample_command(str(tmp_path), "cpu")
+        first = parse_sample(subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=False).stdout)
+        started = time.monotonic()
+        time.sleep(0.5)
+        second = parse_sample(subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=False).stdout)
+        seconds = time.monotonic() - started
+    finally:
+        busy.kill()
+        busy.wait()
+    assert first is not None and second is not None
+    assert first.pid == busy.pid and second.rss is not None and second.rss > 1 << 20
+    used = cpu_percent(first, second, seconds)
+    assert used is not None and 20 < used <= 120  # one busy thread, on a shared machine
+    assert second.gpus == ()
+
+
+def test_no_worker_running_is_no_sample(tmp_path: Path) -> None:
+    result = subprocess.run(["sh", "-c", sample_command(str(tmp_path / "it's not here"), "cuda")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and parse_sample(result.stdout) is None
+
+
+def test_linux_proc_fields_after_a_command_name_with_spaces() -> None:
+    text = fixture("proc_python-with-spaces.txt")
+    assert parse_proc(text) == (pytest.approx(1.23), 8228 * 1024)  # 21 + 102 ticks at 100/s
+
+
+def test_procps_ps_output() -> None:
+    assert parse_ps(fixture("ps_procps.txt")) == (1.0, 8228 * 1024)  # the same process, at 00:00:01
+    assert parse_ps("") == (None, None)
+
+
+def test_gpu_use_from_nvidia_smi_and_rocm_smi() -> None:
+    probe = FIXTURES / "probe"
+    nvidia = parse_nvidia_smi_csv((probe / "nvidia-smi_csv_header_2gpu_gtx1080ti-gtx1060_bpytop-issue26.csv")
+                                  .read_text())
+    assert [gpu.utilization for gpu in nvidia] == [36.0, 0.0]
+    rocm = parse_rocm_smi_csv((probe / "rocm-smi_csv_showproductname-showuse-showmeminfo-vram_"
+                                                    "rx7900xt-gfx1100_marimo-issue9237.csv").read_text())
+    assert [gpu.utilization for gpu in rocm] == [0.0]
+
+
+def test_gpu_tools_are_asked_only_for_their_backend() -> None:
+    assert "nvidia-smi" in sample_command("/w", "cuda") and "rocm-smi" not in sample_command("/w", "cuda")
+    assert "rocm-smi" in sample_command("/w", "rocm")
+    assert "smi" not in sample_command("/w", "cpu") and "smi" not in sample_command("/w", "metal")
+
+
+def test_cpu_use_needs_the_same_process_twice() -> None:
+    assert cpu_percent(Sample(1, 10.0, None), Sample(1, 11.5, None), 2.0) == 75.0
+    assert cpu_percent(Sample(1, 10.0, None), Sample(2, 0.1, None), 2.0) is None  # restarted in between
+    assert cpu_percent(Sample(1, None, None), Sample(1, 1.0, None), 2.0) is None
+
+
+def snapshot() -> ClusterStatus:
+    return ClusterStatus(
+        cluster="lab", model="demo.gguf", coordinator=CoordinatorStatus(state=CoordinatorState.GENERATING),
+        nodes=[NodeStatus(name="a", host="localhost", kind="local", rpc_port=1, state=NodeState.READY,
+                          layers=(0, 4), mem_total=24 * GIB, computes=7, bytes_to=1000, compute_ms=2.5,
+                          cpu_percent=97.0, rss=GIB, gpu_percent=40.0, gpu_mem_used=2 * GIB),
+               NodeStatus(name="b", host="localhost", kind="local", rpc_port=2, state=NodeState.FAILED,
+                          restarts=5)],
+        started_at=1_800_000_000.0, requests_served=3, requests_in_flight=1, decode_tokens_per_s=12.5)
+
+
+def test_prometheus_exposition_of_a_snapshot() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+
+    class Fixed:
+        def collect(self):
+            return families(snapshot())
+
+    registry.register(Fixed())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples}
+    a, b = (("cluster", "lab"), ("node", "a")), (("cluster", "lab"), ("node", "b"))
+    assert samples[("ggml_cluster_node_layers", a)] == 5 and samples[("ggml_cluster_node_layers", b)] == 0
+    assert samples[("ggml_cluster_node_computes_total", a)] == 7
+    assert samples[("ggml_cluster_node_sent_bytes_total", a)] == 1000
+    assert samples[("ggml_cluster_node_compute_seconds", a)] == 0.0025
+    assert samples[("ggml_cluster_node_cpu_percent", a)] == 97
+    assert samples[("ggml_cluster_node_gpu_utilization_percent", a)] == 40
+    assert samples[("ggml_cluster_node_state", (*b, ("state", "failed")))] == 1
+    assert samples[("ggml_cluster_node_state", (*b, ("state", "ready")))] == 0
+    assert samples[("ggml_cluster_node_restarts_total", b)] == 5
+    assert ("ggml_cluster_node_cpu_percent", b) not in samples  # unknown is absent, not zero
+    assert samples[("ggml_cluster_coordinator_state", (("cluster", "lab"), ("state", "generating")))] == 1
+    assert samples[("ggml_cluster_requests_total", (("cluster", "lab"),))] == 3
+    assert samples[("ggml_cluster_decode_tokens_per_second", (("cluster", "lab"),))] == 12.5
+    assert ("ggml_cluster_prompt_tokens_per_second", (("cluster", "lab"),)) not in samples
