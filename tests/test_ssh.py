@@ -108,6 +108,14 @@ def test_controller_restart_adopts_ssh_workers_without_redeploying(world: SshWor
         events = [event["message"] for event in cluster.status()["events"]]
         assert sum("adopted" in message for message in events) == 2
         assert any("worker cached" in message for message in events)
+        # The adopted workers are sampled on their nodes over SSH: memory at once, CPU from the second sample.
+        deadline = time.monotonic() + 15
+        nodes = cluster.status()["nodes"]
+        while not all(node["rss"] and node["cpu_percent"] is not None for node in nodes):
+            assert time.monotonic() < deadline, f"no metrics from the ssh nodes: {nodes}"
+            time.sleep(0.5)
+            nodes = cluster.status()["nodes"]
+        assert all(1 << 20 < node["rss"] < node["mem_total"] for node in nodes)
     finally:
         cluster.cli("down", check=False)
     assert cluster.processes() == []
