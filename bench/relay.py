@@ -4,9 +4,9 @@ Two real workers on loopback and the 183 MB model split between them (the shape 
 coordinator (the same child process the controller runs) decodes with its endpoints either the workers
 themselves, or a relay per worker (core.relay on a RelayHost: the uvloop thread the controller runs its relays
 on), or the relays while each worker's CPU/memory is sampled on its node as the controller does it (the
-sample script every METRICS_INTERVAL_S). Alternating rounds; medians; the ratios to direct.
+sample script every METRICS_INTERVAL_S). Rounds rotate the arms' order; medians; the ratios to direct.
 
-    .venv/bin/python bench/relay.py [--rounds 5] [--tokens 64]
+    .venv/bin/python bench/relay.py [--rounds 6] [--tokens 256]
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def sample_while(on: threading.Event, stop: threading.Event, pids: list[int]) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args()
     model = big_model(cache_dir() / "models" / "bench-8x1024.gguf")
     ports = [free_port(), free_port()]
@@ -72,12 +72,13 @@ def main() -> int:
     sampler = threading.Thread(target=sample_while, args=(sampling, stop, [worker.pid for worker in workers]))
     sampler.start()
     try:
-        for _ in range(args.rounds):
-            samples["direct"].append(decode_ms(model, direct, (4, 4), args.tokens))
-            samples["relay"].append(decode_ms(model, relayed, (4, 4), args.tokens))
-            sampling.set()
-            samples["observed"].append(decode_ms(model, relayed, (4, 4), args.tokens))
-            sampling.clear()
+        arms = ["direct", "relay", "observed"]
+        for round_ in range(args.rounds):
+            for label in arms[round_ % 3:] + arms[:round_ % 3]:  # each arm takes each slot in turn
+                if label == "observed":
+                    sampling.set()
+                samples[label].append(decode_ms(model, direct if label == "direct" else relayed, (4, 4), args.tokens))
+                sampling.clear()
         stats = [relay.stats for relay in relays]
     finally:
         stop.set()

@@ -28,7 +28,7 @@ from core.build import cache_dir, deploy_worker, node_root
 from core.coordinator import CoordinatorConfig
 from core.errors import ClusterError, ConnectError, DeployError, PlanError, ProfileError, RequestError, WorkerError
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
-from core.metrics import MetricsServer, Sample, cpu_percent, parse_sample, sample_command, serve_metrics
+from core.metrics import MetricsServer, Sample, parse_sample, sample_command, serve_metrics, usage
 from core.model import ModelFacts, read_model
 from core.planner import (
     NodeCapacity,
@@ -297,15 +297,9 @@ class Controller:
                 result = None  # the node's connection is down; its events say so
             sample = parse_sample(result.stdout) if result else None
             now = time.monotonic()
-            status.cpu_percent = cpu_percent(previous[0], sample, now - previous[1]) if previous and sample else None
-            status.rss = sample.rss if sample else None
-            gpus = sample.gpus if sample else ()
-            busy = [gpu.utilization for gpu in gpus if gpu.utilization is not None]
-            status.gpu_percent = sum(busy) / len(busy) if busy else None
-            known = [gpu for gpu in gpus if gpu.memory_total is not None and gpu.memory_free is not None]
-            status.gpu_mem_total = sum(gpu.memory_total or 0 for gpu in known) if known else None
-            status.gpu_mem_used = (sum((gpu.memory_total or 0) - (gpu.memory_free or 0) for gpu in known)
-                                   if known else None)
+            seen = usage(previous[0] if previous else None, sample, now - previous[1] if previous else 0.0)
+            for key, value in vars(seen).items():
+                setattr(status, key, value)
             previous = (sample, now) if sample else None
             self.notify()
 

@@ -38,7 +38,10 @@ def sample_command(workdir: str, backend: str) -> str:
     """
     sections = [
         ("pid", "echo $pid"),
-        ("proc", "cat /proc/$pid/stat && getconf CLK_TCK && grep VmRSS /proc/$pid/status"),
+        # Shell builtins where they do: the sample runs every few seconds, next to the decode's threads.
+        ("proc", 'read -r stat < /proc/$pid/stat && echo "$stat" && getconf CLK_TCK && '
+                 'while read -r key value unit; do [ "$key" = VmRSS: ] && echo "$key $value $unit"; '
+                 "done < /proc/$pid/status"),
         ("ps", "[ -r /proc/$pid/stat ] || ps -o rss=,time= -p $pid"),
     ]
     if backend == "cuda":
@@ -99,6 +102,30 @@ def cpu_percent(before: Sample, after: Sample, seconds: float) -> float | None:
     if before.pid != after.pid or before.cpu_s is None or after.cpu_s is None or seconds <= 0:
         return None
     return max(0.0, (after.cpu_s - before.cpu_s) / seconds * 100)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a node's status shows of its worker (the NodeStatus fields of the same names)."""
+
+    cpu_percent: float | None = None
+    rss: int | None = None
+    gpu_percent: float | None = None   # mean over the node's GPUs
+    gpu_mem_used: int | None = None    # summed over them
+    gpu_mem_total: int | None = None
+
+
+def usage(before: Sample | None, after: Sample | None, seconds: float) -> Usage:
+    """The worker's use from its latest sample (and the one ``seconds`` before it, for CPU)."""
+    if after is None:
+        return Usage()
+    busy = [gpu.utilization for gpu in after.gpus if gpu.utilization is not None]
+    known = [(gpu.memory_total, gpu.memory_free) for gpu in after.gpus
+             if gpu.memory_total is not None and gpu.memory_free is not None]
+    return Usage(cpu_percent=cpu_percent(before, after, seconds) if before else None, rss=after.rss,
+                 gpu_percent=sum(busy) / len(busy) if busy else None,
+                 gpu_mem_used=sum(total - free for total, free in known) if known else None,
+                 gpu_mem_total=sum(total for total, _ in known) if known else None)
 
 
 # --- Prometheus --------------------------------------------------------------------------------------

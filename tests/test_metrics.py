@@ -12,8 +12,18 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from core.metrics import Sample, cpu_percent, families, parse_proc, parse_ps, parse_sample, sample_command
-from core.probe import parse_nvidia_smi_csv, parse_rocm_smi_csv
+from core.metrics import (
+    Sample,
+    Usage,
+    cpu_percent,
+    families,
+    parse_proc,
+    parse_ps,
+    parse_sample,
+    sample_command,
+    usage,
+)
+from core.probe import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, NodeState, NodeStatus
 from tests.harness import FIXTURES
 
@@ -80,6 +90,16 @@ def test_cpu_use_needs_the_same_process_twice() -> None:
     assert cpu_percent(Sample(1, 10.0, None), Sample(1, 11.5, None), 2.0) == 75.0
     assert cpu_percent(Sample(1, 10.0, None), Sample(2, 0.1, None), 2.0) is None  # restarted in between
     assert cpu_percent(Sample(1, None, None), Sample(1, 1.0, None), 2.0) is None
+
+
+def test_usage_of_a_two_gpu_node() -> None:
+    gpus = (Gpu("nvidia", "a", 24 * GIB, 4 * GIB, 0, utilization=90.0),
+            Gpu("nvidia", "b", 24 * GIB, 20 * GIB, 1, utilization=10.0),
+            Gpu("nvidia", "GB10", None, None, 2, unified=True))  # unreported memory: left out of the sums
+    after = Sample(7, 12.0, GIB, gpus)
+    assert usage(Sample(7, 11.0, GIB), after, 4.0) == Usage(25.0, GIB, (90.0 + 10.0) / 2, 24 * GIB, 48 * GIB)
+    assert usage(None, after, 0.0).cpu_percent is None  # the first sample has nothing to compare with
+    assert usage(Sample(7, 11.0, GIB), None, 2.0) == Usage()  # the worker is gone: nothing is shown
 
 
 def snapshot() -> ClusterStatus:
