@@ -163,7 +163,7 @@ def node_lines(status: ClusterStatus, width: int) -> list[Text]:
     an error is readable at 80 columns.
     """
     cells = {column: [column.cell(node) for node in status.nodes] for column in NODE_COLUMNS}
-    widths = {column: max(len(column.title), *(len(cell) for cell in cells[column])) for column in NODE_COLUMNS}
+    widths = {column: max([len(column.title), *(len(cell) for cell in cells[column])]) for column in NODE_COLUMNS}
     shown = list(NODE_COLUMNS)
     for column in reversed(NODE_COLUMNS):
         if sum(widths[each] for each in shown) + len(shown) - 1 <= width:
@@ -175,8 +175,6 @@ def node_lines(status: ClusterStatus, width: int) -> list[Text]:
         text = Text(no_wrap=True, overflow="ellipsis")
         for index, (column, value) in enumerate(zip(shown, values, strict=True)):
             padded = value.rjust(widths[column]) if column.right else value.ljust(widths[column])
-            if index == len(shown) - 1:
-                padded = padded.rstrip() if not column.right else padded
             text.append(padded, style=(styles or {}).get(index, ""))
             if index < len(shown) - 1:
                 text.append(" ")
