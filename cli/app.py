@@ -157,6 +157,11 @@ def up(
         err.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
     elif snapshot.metrics_endpoint:
         err.print(f"metrics: http://{snapshot.metrics_endpoint}/metrics", soft_wrap=True, highlight=False)
+    api_problem = next((event.message for event in reversed(snapshot.events) if event.kind == "api-failed"), None)
+    if api_problem:
+        err.print(f"[yellow]warning:[/yellow] {api_problem}", soft_wrap=True, highlight=False)
+    elif snapshot.api_endpoint:
+        err.print(f"api: http://{snapshot.api_endpoint}/v1 (OpenAI-compatible)", soft_wrap=True, highlight=False)
     err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
               f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
 
@@ -194,14 +199,18 @@ def status(
 @app.command()
 def run(
     prompt: Annotated[str, typer.Argument(help="The prompt.")],
+    *,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy (deterministic).")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (with --temperature > 0).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message, rendered with the "
+                                                      "model's chat template (as /v1/chat/completions does).")] = False,
 ) -> None:
     """Stream a completion from the cluster to stdout."""
     state = client.state_for(_inventory())
-    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    request: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    request.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
 
     async def work() -> dict[str, Any]:
         async for event in client.run(state, request):

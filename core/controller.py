@@ -24,9 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
+from core.api import ApiServer, serve_api
 from core.build import cache_dir, deploy_worker, node_root
 from core.coordinator import CoordinatorConfig
-from core.errors import ClusterError, ConnectError, DeployError, PlanError, ProfileError, RequestError, WorkerError
+from core.errors import (
+    ClusterError,
+    ConnectError,
+    DeployError,
+    PlanError,
+    ProfileError,
+    PromptError,
+    RequestError,
+    WorkerError,
+)
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
 from core.metrics import MetricsServer, Sample, parse_sample, sample_command, serve_metrics, usage
 from core.model import ModelFacts, read_model
@@ -174,6 +184,7 @@ class Controller:
         self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
         self._current: _Progress | None = None  # the request generating now
         self.metrics: MetricsServer | None = None
+        self.api: ApiServer | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._coordinator_ready = asyncio.Event()
@@ -197,6 +208,7 @@ class Controller:
             requests_in_flight=self.requests_waiting, recoveries=self.recoveries,
             prompt_tokens_per_s=self.rates["prompt"], decode_tokens_per_s=self._decode_rate(),
             metrics_endpoint=self.metrics.address if self.metrics else "",
+            api_endpoint=self.api.address if self.api else "",
             strategy=self.plan.strategy if self.plan else "",
             predicted_ms=None if self.plan is None or self.plan.predicted_total_s is None
             else self.plan.predicted_total_s * 1000,
@@ -738,7 +750,9 @@ class Controller:
             "op": "generate", "id": rid, "max_tokens": int(request.get("max_tokens", 128)),
             "temperature": float(request.get("temperature", 0.0)), "seed": request.get("seed"),
             "replay": progress.generated}
-        if progress.prompt_tokens is None:
+        if progress.prompt_tokens is None and request.get("messages"):
+            message["messages"] = request["messages"]  # rendered with the model's chat template, there
+        elif progress.prompt_tokens is None:
             message["prompt"] = str(request.get("prompt", ""))
         else:
             message["prompt_tokens"] = progress.prompt_tokens
@@ -772,7 +786,7 @@ class Controller:
                     raise
             elif kind == "error":
                 self._set_ready()
-                raise RequestError(str(answer.get("message")))
+                raise PromptError(str(answer.get("message")))
             elif kind == "done":
                 self._set_ready()
                 self.requests_served += 1
@@ -951,6 +965,7 @@ async def serve(state: StateDir) -> int:
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(controller.shutdown()))
     controller.record("controller", f"controller started (pid {os.getpid()})")
     _serve_metrics(controller, loop)
+    await _serve_api(controller)
     await controller.start_nodes()
 
     async def first_start() -> None:
@@ -963,12 +978,26 @@ async def serve(state: StateDir) -> int:
 
     controller._spawn(first_start())
     await controller.finished.wait()
+    if controller.api is not None:
+        await controller.api.close()
     if controller.metrics is not None:
         await asyncio.to_thread(controller.metrics.close)  # a scrape in progress needs this loop to finish
     server.close()
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)
     return 0
+
+
+async def _serve_api(controller: Controller) -> None:
+    """Start the OpenAI-compatible API; a port in use is an event and a warning, not a reason to stop."""
+    settings = controller.inventory.api
+    try:
+        controller.api = await serve_api(controller, settings.host, settings.port)
+    except OSError as exc:
+        controller.record("api-failed", f"no API endpoint: cannot listen on {settings.host}:{settings.port} "
+                          f"({exc.strerror or exc}); fix: set api.port (0: any free port)")
+        return
+    controller.record("api", f"OpenAI-compatible API on http://{controller.api.address}/v1")
 
 
 def _serve_metrics(controller: Controller, loop: asyncio.AbstractEventLoop) -> None:

@@ -4,8 +4,9 @@ It is a separate process on purpose: llama.cpp's RPC client calls abort() when a
 and only this process dies with it. Protocol, JSON lines:
 
 - start-up (stdout): ``{"event": "ready", ...}`` or ``{"event": "error", "message": ...}``
-- request (stdin): ``{"op": "generate", "id", "prompt" | "prompt_tokens", "max_tokens", "temperature",
-  "seed", "replay": [token, ...]}``
+- request (stdin): ``{"op": "generate", "id", "prompt" | "messages" | "prompt_tokens", "max_tokens",
+  "temperature", "seed", "replay": [token, ...]}``; ``messages`` (OpenAI chat messages) are rendered with
+  the GGUF's chat template
 - answers (stdout): ``{"id", "event": "prompt", "tokens"}``, one ``{"id", "event": "token", "token",
   "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
 - ``{"op": "cancel", "id"}`` ends that request after the token in progress (``done`` with reason
@@ -119,13 +120,39 @@ class Generator:
             logits_all=False, verbose=True)
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = self.llm.n_vocab()
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        self.chat: Any = None
+        if template:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            model = self.llm._model  # the token texts the template writes, as llama-cpp-python's own handler does
+            bos, eos = self.llm.token_bos(), self.llm.token_eos()
+            self.chat = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos != -1 else "",
+                                            model.token_get_text(bos) if bos != -1 else "")
+
+    def prompt_tokens(self, request: dict[str, Any]) -> list[int]:
+        """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
+        if request.get("prompt_tokens"):
+            return [int(token) for token in request["prompt_tokens"]]
+        if "messages" in request:
+            if self.chat is None:
+                raise ValueError("the model has no chat template (tokenizer.chat_template in its GGUF); "
+                                 "send a plain prompt (/v1/completions) instead")
+            text = self.chat(messages=request["messages"]).prompt
+            bos = self.chat.bos_token
+            # A template that writes the BOS text itself must not get a second one from the tokenizer.
+            return list(self.llm.tokenize(text.encode(), add_bos=not (bos and text.startswith(bos)), special=True))
+        return list(self.llm.tokenize(str(request.get("prompt", "")).encode(), add_bos=True, special=False))
 
     def generate(self, request: dict[str, Any], out: IO[str]) -> None:
         """Run one request, writing its events to ``out``."""
         rid = request.get("id")
         llm = self.llm
-        prompt_tokens = request.get("prompt_tokens") or llm.tokenize(
-            str(request.get("prompt", "")).encode(), add_bos=True, special=False)
+        try:
+            prompt_tokens = self.prompt_tokens(request)
+        except (ValueError, TypeError, KeyError) as exc:  # jinja2's errors are ValueError/TypeError subclasses
+            emit(out, {"id": rid, "event": "error", "message": f"cannot render the chat: {exc}"})
+            return
         replay = [int(token) for token in request.get("replay", [])]
         max_tokens = int(request.get("max_tokens", 128))
         temperature = float(request.get("temperature", 0.0))

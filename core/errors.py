@@ -43,5 +43,11 @@ class RequestError(ClusterError):
     """A generation request failed."""
 
 
+class PromptError(RequestError):
+    """The request itself cannot be served (too long for the context, no chat template): the caller's to fix."""
+
+    exit_code = 2
+
+
 class ProfileError(ClusterError):
     """A node's speed could not be measured (the planner then falls back to memory shares)."""

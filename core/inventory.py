@@ -123,10 +123,10 @@ class Node(_Frozen):
 
 
 class Api(_Frozen):
-    """Where the coordinator's HTTP endpoint listens."""
+    """Where the OpenAI-compatible HTTP API listens."""
 
     host: str = "127.0.0.1"
-    port: Port = 8080
+    port: Annotated[int, Field(ge=0, le=65535, strict=True)] = 8080  # 0: any free port (`status` shows it)
 
 
 class Metrics(_Frozen):
@@ -273,10 +273,10 @@ def _check_local_ports(inventory: Inventory, locate: _Locator) -> None:
     """The API and metrics ports on this machine must not be a local worker's port, nor each other."""
     # A listener on another address of this machine does not take the workers' loopback ports.
     local = LOOPBACK_HOSTS | {"0.0.0.0", "::"}
-    listeners = {("api", "port"): inventory.api.port} if inventory.api.host in local else {}
+    listeners = {("api", "port"): inventory.api.port} if inventory.api.host in local and inventory.api.port else {}
     if inventory.metrics.enabled and inventory.metrics.port and inventory.metrics.host in local:
         listeners[("metrics", "port")] = inventory.metrics.port
-        if inventory.metrics.port == inventory.api.port:
+        if inventory.metrics.port == inventory.api.port and inventory.api.host in local:
             raise InventoryError(locate.at(("metrics", "port"), f"port {inventory.metrics.port} is also api.port"),
                                  "fix: give the metrics endpoint and the API their own ports")
     for index, node in enumerate(inventory.nodes):

@@ -11,7 +11,7 @@ import numpy as np
 
 from core.errors import InventoryError
 
-DEMO_MODEL_NAME = "ggml-cluster-demo-v2.gguf"
+DEMO_MODEL_NAME = "ggml-cluster-demo-v3.gguf"  # v3: a chat template
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -93,6 +93,13 @@ _WORDS = (
 ).split()
 
 
+# Plain text (no special tokens the demo vocabulary lacks): "role: content" lines, then "assistant:".
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def _demo_vocab() -> tuple[list[str], list[float], list[int], list[bool]]:
     tokens = ["<unk>", "<s>", "</s>"]
     types = [2, 3, 3]  # unknown, control, control
@@ -154,6 +161,7 @@ def write_demo_model(path: Path, *, n_layers: int = 8, n_embd: int = 128, n_ff: 
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    writer.add_chat_template(DEMO_CHAT_TEMPLATE)
     writer.add_tensor("token_embd.weight", (rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
     for layer in range(n_layers):
         prefix = f"blk.{layer}."

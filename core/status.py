@@ -129,6 +129,7 @@ class ClusterStatus:
     prompt_tokens_per_s: float | None = None  # of the last request
     decode_tokens_per_s: float | None = None  # of the running request, else of the last one
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
+    api_endpoint: str = ""             # host:port of the OpenAI-compatible API, when it serves
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (`status --json`)."""
@@ -151,6 +152,7 @@ class ClusterStatus:
             "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "metrics_endpoint": self.metrics_endpoint,
+            "api_endpoint": self.api_endpoint,
         }
 
     @classmethod
@@ -183,4 +185,5 @@ class ClusterStatus:
             prompt_tokens_per_s=data.get("prompt_tokens_per_s"),
             decode_tokens_per_s=data.get("decode_tokens_per_s"),
             metrics_endpoint=data.get("metrics_endpoint", ""),
+            api_endpoint=data.get("api_endpoint", ""),
         )

@@ -55,8 +55,9 @@ class Cluster:
         self.inventory = root / "inventory.yaml"
         self.base_env = base_env or dict(os.environ)
         self.up_output = ""  # what the fixture's `up` printed on stderr
-        # Any free port for the metrics endpoint: test clusters run side by side.
-        lines = [f"cluster: test{os.getpid()}", f"context: {context}", "metrics: {port: 0}", *(top or [])]
+        # Any free ports for the metrics endpoint and the API: test clusters run side by side.
+        lines = [f"cluster: test{os.getpid()}", f"context: {context}", "metrics: {port: 0}", "api: {port: 0}",
+                 *(top or [])]
         lines += [f"strategy: {strategy}"] if strategy else []
         if defaults:
             lines += ["defaults:", *(f"  {line}" for line in defaults)]

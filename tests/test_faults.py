@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +124,19 @@ def test_lost_node_when_the_rest_cannot_hold_the_model_fails_clearly(short_tmp: 
         assert "n2 failed: its worker and supervisor are gone" in message
         assert "does not fit" in message and "usable" in message
         assert seconds < 30
+        # The API says so too: a proper error body and 503, for a request and for /health.
+        endpoint = cluster.status()["api_endpoint"]
+        request = urllib.request.Request(f"http://{endpoint}/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode())
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(request, timeout=60)
+        assert http.value.code == 503
+        error = json.loads(http.value.read())["error"]
+        assert error["type"] == "server_error" and "n2 failed" in error["message"]
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(f"http://{endpoint}/health", timeout=60)
+        health = json.loads(http.value.read())
+        assert http.value.code == 503 and health["status"] == "failed" and "n2" in health["failed_nodes"]
     finally:
         cluster.cli("down", check=False)
     assert cluster.processes() == []

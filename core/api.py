@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP API (aiohttp), served by the controller on its own event loop.
+
+`/v1/completions`, `/v1/chat/completions` (streamed as server-sent events, or whole), `/v1/models`,
+`/health`. Every request goes through `Controller.generate`, the path `ggml-cluster run` takes: requests
+queue first come, first served, and one in flight when a node fails is resumed like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from core.errors import ClusterError, PromptError
+from core.status import CoordinatorState, NodeState
+
+if TYPE_CHECKING:
+    from core.controller import Controller
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class _Request(BaseModel):
+    # OpenAI clients send fields this server does not use (user, logprobs: null, ...): accept and ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    seed: int | None = None
+    stream: bool = False
+    n: Literal[1] = 1
+    stop: str | list[str] | None = None
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: str | list[str]
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat (text content; a list of text parts is joined)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def plain(self) -> dict[str, str]:
+        """The message as the chat template expects it."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An error in the shape OpenAI clients parse."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _fail(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, kind, param), status=status)
+
+
+def _invalid(exc: ValidationError) -> web.Response:
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"])
+    if param == "n":
+        return _fail(400, "only n=1 is supported", "invalid_request_error", "n")
+    return _fail(400, f"{param}: {first['msg']}", "invalid_request_error", param)
+
+
+def _unsupported_stop() -> web.Response:
+    return _fail(400, "stop sequences are not supported by this server; leave out 'stop' (generation ends at the "
+                 "model's end-of-text token or max_tokens)", "invalid_request_error", "stop")
+
+
+@dataclass
+class ApiServer:
+    """The running HTTP server."""
+
+    runner: web.AppRunner
+    address: str  # host:port, the real port when 0 was asked for
+
+    async def close(self) -> None:
+        """Stop serving; requests in flight are cut."""
+        await self.runner.cleanup()
+
+
+class _Api:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    @property
+    def model_id(self) -> str:
+        return self.controller.model.name
+
+    async def health(self, _: web.Request) -> web.Response:
+        state = self.controller.coordinator.state
+        serving = state in (CoordinatorState.READY, CoordinatorState.GENERATING)
+        body = {"status": "ok" if serving else str(state), "coordinator": str(state),
+                "requests_in_flight": self.controller.requests_waiting}
+        if not serving:
+            body["error"] = self.controller.coordinator.last_error
+            body["failed_nodes"] = {runtime.node.name: runtime.status.last_error
+                                    for runtime in self.controller.nodes.values()
+                                    if runtime.status.state == NodeState.FAILED}
+        return web.json_response(body, status=200 if serving else 503)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": int(self.controller.started_at),
+             "owned_by": "ggml-cluster"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            parsed = CompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            return _invalid(exc)
+        if parsed.stop:
+            return _unsupported_stop()
+        prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
+        if len(prompts) != 1:
+            return _fail(400, "send one prompt per request", "invalid_request_error", "prompt")
+        job = {"prompt": prompts[0], **self._sampling(parsed, default_max=16)}
+        return await self._serve(request, parsed, job, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            parsed = ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            return _invalid(exc)
+        if parsed.stop:
+            return _unsupported_stop()
+        job = {"messages": [message.plain() for message in parsed.messages], **self._sampling(parsed, None)}
+        return await self._serve(request, parsed, job, chat=True)
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _fail(400, "the request body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _fail(400, "the request body must be a JSON object", "invalid_request_error")
+        return body
+
+    def _sampling(self, parsed: _Request, default_max: int | None) -> dict[str, Any]:
+        # No max_tokens on a chat: until the model stops or the context is full (the coordinator caps it).
+        limit = parsed.max_completion_tokens or parsed.max_tokens or default_max or self.controller.inventory.context
+        return {"max_tokens": limit, "temperature": parsed.temperature, "seed": parsed.seed}
+
+    async def _serve(self, request: web.Request, parsed: _Request, job: dict[str, Any],
+                     chat: bool) -> web.StreamResponse:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if parsed.stream:
+            return await self._stream(request, job, chat, ident, created)
+        texts: list[str] = []
+        done: dict[str, Any] = {}
+
+        async def collect(event: dict[str, Any]) -> None:
+            if event.get("event") == "done":
+                done.update(event)
+            elif event.get("event") == "token":
+                texts.append(event["text"])
+
+        try:
+            await self.controller.generate(job, collect)
+        except PromptError as exc:
+            return _fail(400, str(exc), "invalid_request_error")
+        except ClusterError as exc:
+            return _fail(503, str(exc), "server_error")
+        text, reason = "".join(texts), _finish_reason(done)
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": reason, "logprobs": None} if chat else
+                                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+        return web.json_response({
+            "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.model_id, "choices": [choice], "usage": _usage(done)})
+
+    async def _stream(self, request: web.Request, job: dict[str, Any], chat: bool, ident: str,
+                      created: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+            data = {"id": ident, "object": kind, "created": created, "model": self.model_id,
+                    "choices": [{"index": 0, **choice}], **(extra or {})}
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(f"data: {json.dumps(data)}\n\n".encode())
+
+        async def relay(event: dict[str, Any]) -> None:
+            if chat and not response.prepared and event.get("event") in ("token", "done"):
+                # The role comes first; sent with the first token, so an error before it still gets a status.
+                await chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None})
+            if event.get("event") == "token" and event["text"]:
+                await chunk({"delta": {"content": event["text"]}, "finish_reason": None, "logprobs": None}
+                            if chat else {"text": event["text"], "finish_reason": None, "logprobs": None})
+            elif event.get("event") == "done":
+                reason = _finish_reason(event)
+                await chunk({"delta": {}, "finish_reason": reason, "logprobs": None} if chat else
+                            {"text": "", "finish_reason": reason, "logprobs": None}, {"usage": _usage(event)})
+
+        try:
+            await self.controller.generate(job, relay)
+        except ClusterError as exc:
+            if not response.prepared:  # nothing sent yet: a plain error response with its status
+                return _fail(400 if isinstance(exc, PromptError) else 503, str(exc),
+                             "invalid_request_error" if isinstance(exc, PromptError) else "server_error")
+            await response.write(f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode())
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _finish_reason(done: dict[str, Any]) -> str:
+    return "stop" if done.get("reason") == "stop" else "length"
+
+
+def _usage(done: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = int(done.get("prompt_tokens", 0)), int(done.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def serve_api(controller: Controller, host: str, port: int) -> ApiServer:
+    """Serve the API on host:port (raises OSError when the port is taken)."""
+    api = _Api(controller)
+    app = web.Application(client_max_size=16 << 20)
+    app.add_routes([
+        web.get("/health", api.health), web.get("/v1/models", api.models),
+        web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat),
+    ])
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0]
+    return ApiServer(runner, f"{bound[0]}:{bound[1]}")
