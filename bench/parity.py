@@ -1,0 +1,195 @@
+"""ggml-cluster against bare llama.cpp, and the model load cold against warm (the workers' tensor cache).
+
+Parity, in one run with the arms alternating each round:
+  - llama-bench, built from the same pinned llama.cpp source as the workers and the coordinator, with
+    `--rpc` to two bare ggml-rpc-server (`-t 1`) on loopback: decode (tg) and prompt (pp) tokens/s;
+  - ggml-cluster with two SSH nodes on loopback (real OpenSSH sshd), `transport: direct`;
+  - the same with `transport: ssh` (RPC forwarded through the SSH connections, the default).
+All three hold the 183 MB 8-layer f16 model 4/4 (`strategy: equal`, `-ts 1/1`). ggml-cluster is measured
+through `ggml-cluster run --json` (the path the API takes): decode tokens/s from the first token to the
+last as the controller receives them, prompt tokens/s as the coordinator times the prompt, and time to
+first token as the controller sees it (request in to first token out). llama-bench has no time to first
+token; its equivalent is derived as prompt/pp + 1/tg.
+
+Load: each cluster's coordinator is killed and the controller reloads the model into the same workers,
+with the workers' tensor cache emptied first (cold) or kept (warm); the time is the controller's
+`coordinator-ready` event. A model with tensors over the cache's 10 MiB threshold is used for this part
+(4 layers, n_embd 2048: 350 MB).
+
+    .venv/bin/python bench/parity.py [--rounds 5] [--tokens 128] [--prompt 64]
+    (first run: builds llama-bench from the cached llama.cpp source, ~6 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from faults import big_model
+from sharding import start_worker
+
+from core.build import cache_dir, pinned_version, source_tree
+from core.model import write_demo_model
+from tests.harness import Cluster, free_port
+from tests.sshd import SshWorld
+
+# Whole words of the demo vocabulary: one token each.
+WORDS = "the cluster model layer token worker shard graph compute memory tensor fast slow ready split plan".split()
+
+
+def llama_bench() -> Path:
+    """llama-bench from the vendored llama.cpp the workers are built from (cached)."""
+    version = pinned_version()
+    build = cache_dir() / "build" / f"bench-llama-{version}"
+    binary = build / "bin" / "llama-bench"
+    if not binary.exists():
+        source = source_tree(version, lambda message, _: print(message))
+        print("building llama-bench (once; about 6 minutes on 2 cores)")
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DGGML_RPC=ON",
+                        "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "--parallel",
+                        str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def bench_rates(binary: Path, model: Path, ports: list[int], prompt: int, tokens: int) -> tuple[float, float]:
+    """llama-bench's (decode, prompt) tokens/s over the two workers."""
+    result = subprocess.run(
+        [str(binary), "-m", str(model), "--rpc", ",".join(f"127.0.0.1:{port}" for port in ports), "-ngl", "99",
+         "-sm", "layer", "-ts", "1/1", "-t", "1", "-p", str(prompt), "-n", str(tokens), "-r", "1", "-o", "json"],
+        capture_output=True, text=True, check=True)
+    rows = json.loads(result.stdout)
+    decode = next(row["avg_ts"] for row in rows if row["n_gen"] > 0)
+    fill = next(row["avg_ts"] for row in rows if row["n_prompt"] > 0)
+    return float(decode), float(fill)
+
+
+def cluster_rates(cluster: Cluster, prompt_text: str, tokens: int) -> tuple[float, float, float, int]:
+    """ggml-cluster's decode tokens/s, prompt tokens/s, time to first token (s) and prompt length."""
+    decode = json.loads(cluster.cli("run", "The cluster", "-n", str(tokens), "--json").stdout)
+    fill = json.loads(cluster.cli("run", prompt_text, "-n", "1", "--json").stdout)
+    # Decode as the controller sees the tokens arrive (first token to last), not only inside the coordinator.
+    timings = decode["timings"]
+    rate = (decode["completion_tokens"] - 1) / (timings["total_s"] - timings["first_token_s"])
+    return (rate, fill["prompt_tokens"] / fill["timings"]["prompt_s"], float(fill["timings"]["first_token_s"]),
+            int(fill["prompt_tokens"]))
+
+
+def ssh_cluster(world: SshWorld, root: Path, model: Path, transport: str) -> Cluster:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = [["host: 127.0.0.1", f"port: {server.port}", "user: root", f"identity: {world.identity}"]
+             for server in world.servers]
+    return Cluster(root, nodes=2, context=1024, ssh=lines, base_env=world.env(), strategy="equal",
+                   top=[f"model: {model}"], defaults=[f"workdir: {root / 'node root'}", f"transport: {transport}"])
+
+
+def reload_seconds(cluster: Cluster, cold: bool) -> float:
+    """Kill the coordinator and time the controller's reload of the model into the same workers."""
+    status = cluster.status()
+    seen = sum(event["kind"] == "coordinator-ready" for event in status["events"])
+    if cold:  # empty the nodes' tensor cache (the folder stays: a worker makes it only when it starts)
+        for cached in (Path.home() / ".cache" / "llama.cpp" / "rpc").glob("*"):
+            cached.unlink()
+    os.kill(status["coordinator"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        events = [event for event in cluster.status()["events"] if event["kind"] == "coordinator-ready"]
+        if len(events) > seen:
+            return float(re.search(r"in ([\d.]+)s", events[-1]["message"]).group(1))  # type: ignore[union-attr]
+        time.sleep(0.2)
+    raise RuntimeError("the coordinator did not come back")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens for the prompt-rate arms")
+    args = parser.parse_args()
+    binary = llama_bench()
+    model = big_model(cache_dir() / "models" / "bench-8x1024.gguf")
+    load_model = cache_dir() / "models" / "bench-4x2048.gguf"
+    if not load_model.exists():
+        write_demo_model(load_model, n_layers=4, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=4)
+    root = Path(tempfile.mkdtemp(prefix="bench-parity-", dir="/tmp"))
+    world = SshWorld(root / "world", nodes=2)
+    ports = [free_port(), free_port()]
+    workers = [start_worker(port) for port in ports]
+    clusters = {transport: ssh_cluster(world, root / transport, model, transport) for transport in ("direct", "ssh")}
+    rates: dict[str, dict[str, list[float]]] = {arm: {"decode": [], "prompt": [], "ttft": []}
+                                                 for arm in ("llama-bench", "direct", "ssh")}
+    loads: dict[str, dict[str, list[float]]] = {}
+    try:
+        for cluster in clusters.values():
+            cluster.cli("up")
+        prompt_text = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt - 1))
+        prompt_tokens = cluster_rates(clusters["direct"], prompt_text, 1)[3]  # BOS + the words: llama-bench's -p
+        for round_ in range(args.rounds):
+            arms = ["llama-bench", "direct", "ssh"]
+            for arm in arms[round_ % 3:] + arms[:round_ % 3]:
+                if arm == "llama-bench":
+                    decode, fill = bench_rates(binary, model, ports, prompt_tokens, args.tokens)
+                    ttft = prompt_tokens / fill + 1 / decode
+                else:
+                    decode, fill, ttft, _ = cluster_rates(clusters[arm], prompt_text, args.tokens)
+                for key, value in (("decode", decode), ("prompt", fill), ("ttft", ttft)):
+                    rates[arm][key].append(value)
+        for transport, cluster in list(clusters.items()):
+            cluster.cli("down")
+            loading = ssh_cluster(world, root / f"load-{transport}", load_model, transport)
+            clusters[f"load-{transport}"] = loading
+            loading.cli("up")
+            loads[transport] = {"cold": [], "warm": []}
+            for _ in range(max(2, args.rounds // 2)):
+                for kind in ("cold", "warm"):
+                    loads[transport][kind].append(reload_seconds(loading, cold=kind == "cold"))
+            loading.cli("down")
+    finally:
+        for cluster in clusters.values():
+            cluster.cli("down", check=False)
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        world.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    def median(arm: str, key: str) -> float:
+        return statistics.median(rates[arm][key])
+
+    print(f"model {model.stat().st_size / 1e6:.0f} MB split 4/4 over two -t 1 workers; {args.tokens} decode tokens, "
+          f"{prompt_tokens}-token prompt; {args.rounds} rounds, arms rotated, medians")
+    for arm, values in rates.items():
+        print(f"  {arm:<11} decode {median(arm, 'decode'):6.1f} tok/s  prompt {median(arm, 'prompt'):7.1f} tok/s  "
+              f"first token {median(arm, 'ttft') * 1000:6.1f} ms   (decode runs: "
+              f"{', '.join(f'{value:.1f}' for value in values['decode'])})")
+    for transport, goal in (("direct", 0.97), ("ssh", 0.90)):
+        decode = median(transport, "decode") / median("llama-bench", "decode")
+        fill = median(transport, "prompt") / median("llama-bench", "prompt")
+        first = median(transport, "ttft") / median("llama-bench", "ttft")
+        print(f"  ggml-cluster {transport:<6} / llama-bench: decode {decode:.3f} (goal >= {goal}), prompt {fill:.3f}, "
+              f"first token time {first:.2f}x")
+    print(f"load of {load_model.stat().st_size / 1e6:.0f} MB into the same two workers (coordinator reload):")
+    for transport, values in loads.items():
+        cold, warm = statistics.median(values["cold"]), statistics.median(values["warm"])
+        print(f"  {transport:<6} cold {cold:5.2f} s  warm {warm:5.2f} s  cold/warm {cold / warm:.2f} (goal >= 3)   "
+              f"(runs cold {values['cold']}, warm {values['warm']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
