@@ -52,7 +52,7 @@ from core.planner import (
 from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
 from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
 from core.relay import Relay, RelayHost
-from core.remote import Remote, remote_for, shell_command
+from core.remote import Remote, SshRemote, remote_for, shell_command
 from core.rpc import Version, probe_worker
 from core.state import StateDir
 from core.status import (
@@ -168,6 +168,7 @@ class Controller:
                                   backend="cpu" if local else ""))
         self._parallel = asyncio.Semaphore(PARALLEL_NODES)
         self._relays = RelayHost()
+        self._own_relays: list[Relay] = []  # on this loop (SSH nodes'), not on the relay thread
         self._local_flags = local_cpu_flags()
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
@@ -290,11 +291,23 @@ class Controller:
             self._fail_node(runtime, str(exc))
 
     async def _relay(self, runtime: NodeRuntime, endpoint: tuple[str, int]) -> None:
-        """The observing relay the coordinator reaches this worker through (started once per node)."""
+        """The observing relay the coordinator reaches this worker through (started once per node).
+
+        An SSH node's relay runs on this loop, where its connection is, and opens each link as a channel on
+        that connection; the others run on the relays' uvloop thread and connect over TCP.
+        """
         if runtime.relay is None:
-            name = runtime.node.name
-            runtime.relay, runtime.relayed = await self._relays.relay(
-                endpoint, lambda message: self.record("relay", message, name))
+            name, remote, spec = runtime.node.name, runtime.remote, runtime.spec
+
+            def report(message: str) -> None:
+                self.record("relay", message, name)
+
+            if isinstance(remote, SshRemote) and runtime.node.transport == "ssh" and spec is not None:
+                relay = Relay(endpoint, report, connect=lambda link: remote.open_rpc(spec.port, link))
+                runtime.relay, runtime.relayed = relay, await relay.start()
+                self._own_relays.append(relay)
+            else:
+                runtime.relay, runtime.relayed = await self._relays.relay(endpoint, report)
         runtime.relay.target = endpoint
 
     async def _sample(self, runtime: NodeRuntime) -> None:
@@ -874,7 +887,10 @@ class Controller:
         if stop_workers:
             await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values() if r.spec),
                                  return_exceptions=True)
-        await self._relays.close([runtime.relay for runtime in self.nodes.values() if runtime.relay])
+        for relay in self._own_relays:
+            await relay.close()
+        await self._relays.close([runtime.relay for runtime in self.nodes.values()
+                                  if runtime.relay and runtime.relay not in self._own_relays])
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()

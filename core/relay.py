@@ -8,7 +8,9 @@ seen from the coordinator, at no extra round trip. A malformed or oversized fram
 (the coordinator restarts as it would if the worker had gone) and is reported; it never raises.
 
 asyncio protocols rather than streams: a chunk is handed from one transport to the other as the same bytes
-object, with no task switch per chunk, and back-pressure pauses the side that reads.
+object, with no task switch per chunk, and back-pressure pauses the side that reads. The worker side is a
+TCP connection, or whatever ``connect`` opens (an SSH channel, so RPC to an SSH node takes one hop in
+Python instead of a relay plus a port forward).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
+
+from core.errors import ConnectError
 
 GRAPH_COMPUTE = 10
 GRAPH_RECOMPUTE = 16
@@ -42,6 +46,15 @@ class RelayStats:
     compute_ms: float | None = None  # moving average, GRAPH_COMPUTE → first answer after it
     connected: bool = False
     connections: int = 0
+
+
+class Pipe(Protocol):
+    """What a link needs of either side: an asyncio transport, or an SSH channel."""
+
+    def write(self, data: bytes) -> None: ...
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class FrameError(ValueError):
@@ -81,19 +94,20 @@ class FrameReader:
         return commands
 
 
-class _Link:
+class Link:
     """One coordinator connection and its connection to the worker."""
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
         self.frames = FrameReader()
         self.client: asyncio.Transport | None = None
-        self.worker: asyncio.Transport | None = None
+        self.worker: Pipe | None = None
         self.compute_started: float | None = None
         self.pending: list[bytes] = []
         self.closed = False
 
     def from_client(self, data: bytes) -> None:
+        """Bytes from the coordinator: counted, their frame headers read, then to the worker."""
         stats = self.relay.stats
         stats.bytes_to += len(data)
         try:
@@ -114,13 +128,15 @@ class _Link:
         else:
             self.pending.append(data)  # reading is paused until the worker connects, but a loop may race
 
-    def worker_connected(self, transport: asyncio.Transport) -> None:
+    def worker_connected(self, transport: Pipe) -> None:
+        """The worker side is open: send what the coordinator has already written."""
         self.worker = transport
         for data in self.pending:
             transport.write(data)
         self.pending.clear()
 
     def from_worker(self, data: bytes) -> None:
+        """Bytes from the worker, to the coordinator."""
         stats = self.relay.stats
         stats.bytes_from += len(data)
         if self.compute_started is not None:
@@ -131,7 +147,16 @@ class _Link:
         if self.client is not None:
             self.client.write(data)
 
+    def pause_client(self, paused: bool) -> None:
+        """Back-pressure from the worker side: stop (or resume) reading the coordinator."""
+        if self.client is not None:
+            if paused:
+                self.client.pause_reading()
+            else:
+                self.client.resume_reading()
+
     def close(self) -> None:
+        """Close both sides (once)."""
         if self.closed:
             return
         self.closed = True
@@ -144,7 +169,7 @@ class _Link:
 class _Side(asyncio.Protocol):
     """One end of a link; ``client`` is the coordinator's side."""
 
-    def __init__(self, link: _Link, client: bool) -> None:
+    def __init__(self, link: Link, client: bool) -> None:
         self.link = link
         self.is_client = client
 
@@ -187,12 +212,15 @@ class _Side(asyncio.Protocol):
 class Relay:
     """A loopback listener that forwards to one worker and keeps that node's ``RelayStats``."""
 
-    def __init__(self, target: tuple[str, int], on_event: Callable[[str], None]) -> None:
+    def __init__(self, target: tuple[str, int], on_event: Callable[[str], None],
+                 connect: Callable[[Link], Coroutine[Any, Any, None]] | None = None) -> None:
+        """``connect`` opens a link's worker side and calls its ``worker_connected``; else TCP to ``target``."""
         self.target = target  # may change when the node's endpoint does
+        self._connect = connect
         self.stats = RelayStats()
         self._on_event = on_event
         self._server: asyncio.Server | None = None
-        self._links: set[_Link] = set()
+        self._links: set[Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
@@ -208,17 +236,20 @@ class Relay:
         host, port = self._server.sockets[0].getsockname()[:2]
         return str(host), int(port)
 
-    def _new_link(self) -> _Link:
-        link = _Link(self)
+    def _new_link(self) -> Link:
+        link = Link(self)
         self._links = {known for known in self._links if not known.closed} | {link}
         return link
 
-    async def connect_worker(self, link: _Link) -> None:
+    async def connect_worker(self, link: Link) -> None:
         """Open the worker side of a new coordinator connection, then let the coordinator's bytes flow."""
         loop = asyncio.get_running_loop()
         try:
-            await loop.create_connection(lambda: _Side(link, client=False), *self.target)
-        except OSError as exc:
+            if self._connect is not None:
+                await self._connect(link)
+            else:
+                await loop.create_connection(lambda: _Side(link, client=False), *self.target)
+        except (OSError, ConnectError) as exc:
             self.report(f"cannot reach the worker at {self.target[0]}:{self.target[1]}: {exc}")
             link.close()
             return

@@ -51,8 +51,9 @@ class Screen:
             time.sleep(0.05)
 
     def exited(self) -> int | None:
-        dead, _, code = self.tmux("list-panes", "-t", "dash", "-F", "#{pane_dead} #{pane_dead_status}").partition(" ")
-        return int(code) if dead == "1" else None
+        panes = self.tmux("list-panes", "-t", "dash", "-F", "#{pane_dead} #{pane_dead_status}")
+        dead, _, code = panes.strip().partition(" ")
+        return int(code) if dead == "1" and code.isdigit() else None  # tmux may mark it dead before the code
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, check=False, env=self.env)
