@@ -152,16 +152,13 @@ def up(
     predicted = f", predicted {snapshot.predicted_ms:.1f} ms/token" if snapshot.predicted_ms else ""
     err.print(f"plan: {snapshot.strategy}, layers on {holding} of {ready} worker(s){predicted}; "
               "`ggml-cluster plan` says why", highlight=False, soft_wrap=True)
-    problem = next((event.message for event in reversed(snapshot.events) if event.kind == "metrics-failed"), None)
-    if problem:
-        err.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
-    elif snapshot.metrics_endpoint:
-        err.print(f"metrics: http://{snapshot.metrics_endpoint}/metrics", soft_wrap=True, highlight=False)
-    api_problem = next((event.message for event in reversed(snapshot.events) if event.kind == "api-failed"), None)
-    if api_problem:
-        err.print(f"[yellow]warning:[/yellow] {api_problem}", soft_wrap=True, highlight=False)
-    elif snapshot.api_endpoint:
-        err.print(f"api: http://{snapshot.api_endpoint}/v1 (OpenAI-compatible)", soft_wrap=True, highlight=False)
+    for kind, address, shown in (("metrics", snapshot.metrics_endpoint, "metrics: http://{}/metrics"),
+                                 ("api", snapshot.api_endpoint, "api: http://{}/v1 (OpenAI-compatible)")):
+        problem = next((event.message for event in reversed(snapshot.events) if event.kind == f"{kind}-failed"), None)
+        if problem:
+            err.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
+        elif address:
+            err.print(shown.format(address), soft_wrap=True, highlight=False)
     err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
               f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
 

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,6 +38,9 @@ class _Request(BaseModel):
     stream: bool = False
     n: Literal[1] = 1
     stop: str | list[str] | None = None
+
+
+RequestT = TypeVar("RequestT", bound=_Request)
 
 
 class CompletionRequest(_Request):
@@ -85,9 +88,22 @@ def _invalid(exc: ValidationError) -> web.Response:
     return _fail(400, f"{param}: {first['msg']}", "invalid_request_error", param)
 
 
-def _unsupported_stop() -> web.Response:
-    return _fail(400, "stop sequences are not supported by this server; leave out 'stop' (generation ends at the "
-                 "model's end-of-text token or max_tokens)", "invalid_request_error", "stop")
+async def _parse(request: web.Request, model: type[RequestT]) -> RequestT | web.Response:
+    """The request body as ``model``, or the 400 response that says what is wrong with it."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _fail(400, "the request body is not JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return _fail(400, "the request body must be a JSON object", "invalid_request_error")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        return _invalid(exc)
+    if parsed.stop:
+        return _fail(400, "stop sequences are not supported by this server; leave out 'stop' (generation ends at "
+                     "the model's end-of-text token or max_tokens)", "invalid_request_error", "stop")
+    return parsed
 
 
 @dataclass
@@ -128,15 +144,9 @@ class _Api:
              "owned_by": "ggml-cluster"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
-        try:
-            parsed = CompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            return _invalid(exc)
-        if parsed.stop:
-            return _unsupported_stop()
+        parsed = await _parse(request, CompletionRequest)
+        if isinstance(parsed, web.Response):
+            return parsed
         prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
         if len(prompts) != 1:
             return _fail(400, "send one prompt per request", "invalid_request_error", "prompt")
@@ -144,27 +154,11 @@ class _Api:
         return await self._serve(request, parsed, job, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
-        try:
-            parsed = ChatRequest.model_validate(body)
-        except ValidationError as exc:
-            return _invalid(exc)
-        if parsed.stop:
-            return _unsupported_stop()
+        parsed = await _parse(request, ChatRequest)
+        if isinstance(parsed, web.Response):
+            return parsed
         job = {"messages": [message.plain() for message in parsed.messages], **self._sampling(parsed, None)}
         return await self._serve(request, parsed, job, chat=True)
-
-    @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any] | web.Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _fail(400, "the request body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _fail(400, "the request body must be a JSON object", "invalid_request_error")
-        return body
 
     def _sampling(self, parsed: _Request, default_max: int | None) -> dict[str, Any]:
         # No max_tokens on a chat: until the model stops or the context is full (the coordinator caps it).

@@ -313,11 +313,14 @@ class Controller:
     async def _sample(self, runtime: NodeRuntime) -> None:
         """Sample the worker's CPU, memory and GPU use on its node, over the node's own connection."""
         status = runtime.status
+        if runtime.spec is None:
+            return
+        command = sample_command(runtime.spec.workdir, status.backend)  # both are settled once the worker runs
         previous: tuple[Sample, float] | None = None
-        while not self._stopping and runtime.spec is not None:
+        while not self._stopping:
             await asyncio.sleep(METRICS_INTERVAL_S)
             try:
-                result = await runtime.remote.run(sample_command(runtime.spec.workdir, status.backend), timeout=10)
+                result = await runtime.remote.run(command, timeout=10)
             except ConnectError:
                 result = None  # the node's connection is down; its events say so
             sample = parse_sample(result.stdout) if result else None
