@@ -1,20 +1,22 @@
 """ggml-cluster against bare llama.cpp, and the model load cold against warm (the workers' tensor cache).
 
-Parity, in one run with the arms alternating each round:
+Parity: the same two workers (ggml-rpc-server `-t 1` on two SSH nodes on loopback, real sshd, started by
+ggml-cluster) and the same 4/4 layer split of the 183 MB 8-layer f16 model, driven in one run with the arms
+rotating each round by
   - llama-bench, built from the same pinned llama.cpp source as the workers and the coordinator, with
-    `--rpc` to two bare ggml-rpc-server (`-t 1`) on loopback: decode (tg) and prompt (pp) tokens/s;
-  - ggml-cluster with two SSH nodes on loopback (real OpenSSH sshd), `transport: direct`;
+    `--rpc` to the workers while no cluster is up (`down --keep-workers`): decode (tg) and prompt (pp) tokens/s;
+  - ggml-cluster with `transport: direct` (`up` adopts the workers; `run`, then `down --keep-workers`);
   - the same with `transport: ssh` (RPC forwarded through the SSH connections, the default).
-All three hold the 183 MB 8-layer f16 model 4/4 (`strategy: equal`, `-ts 1/1`). ggml-cluster is measured
-through `ggml-cluster run --json` (the path the API takes): decode tokens/s from the first token to the
-last as the controller receives them, prompt tokens/s as the coordinator times the prompt, and time to
-first token as the controller sees it (request in to first token out). llama-bench has no time to first
-token; its equivalent is derived as prompt/pp + 1/tg.
+ggml-cluster is measured through `ggml-cluster run --json` (the path the API takes) after an 8-token warm-up
+request (llama-bench warms up too): decode tokens/s from the first token to the last as the controller
+receives them, prompt tokens/s as the coordinator times the prompt, and time to first token as the
+controller sees it (request in to first token out). llama-bench has no time to first token; its equivalent
+is derived as prompt/pp + 1/tg.
 
 Load: each cluster's coordinator is killed and the controller reloads the model into the same workers,
 with the workers' tensor cache emptied first (cold) or kept (warm); the time is the controller's
 `coordinator-ready` event. A model with tensors over the cache's 10 MiB threshold is used for this part
-(4 layers, n_embd 2048: 350 MB).
+(4 layers, n_embd 2048: 366 MB).
 
     .venv/bin/python bench/parity.py [--rounds 5] [--tokens 128] [--prompt 64]
     (first run: builds llama-bench from the cached llama.cpp source, ~6 min on 2 cores)
@@ -39,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import big_model
-from sharding import start_worker
 
 from core.build import cache_dir, pinned_version, source_tree
 from core.model import write_demo_model
@@ -90,12 +91,15 @@ def cluster_rates(cluster: Cluster, prompt_text: str, tokens: int) -> tuple[floa
             int(fill["prompt_tokens"]))
 
 
-def ssh_cluster(world: SshWorld, root: Path, model: Path, transport: str) -> Cluster:
+def ssh_cluster(world: SshWorld, root: Path, model: Path, transport: str, workdir: Path,
+                ports: list[int] | None = None) -> Cluster:
+    """Two SSH nodes; clusters with the same ``workdir`` and ``ports`` run (and adopt) the same workers."""
     root.mkdir(parents=True, exist_ok=True)
     lines = [["host: 127.0.0.1", f"port: {server.port}", "user: root", f"identity: {world.identity}"]
              for server in world.servers]
     return Cluster(root, nodes=2, context=1024, ssh=lines, base_env=world.env(), strategy="equal",
-                   top=[f"model: {model}"], defaults=[f"workdir: {root / 'node root'}", f"transport: {transport}"])
+                   top=[f"model: {model}"], defaults=[f"workdir: {workdir}", f"transport: {transport}"],
+                   ports=ports)
 
 
 def reload_seconds(cluster: Cluster, cold: bool) -> float:
@@ -129,16 +133,16 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-parity-", dir="/tmp"))
     world = SshWorld(root / "world", nodes=2)
     ports = [free_port(), free_port()]
-    workers = [start_worker(port) for port in ports]
-    clusters = {transport: ssh_cluster(world, root / transport, model, transport) for transport in ("direct", "ssh")}
+    clusters = {transport: ssh_cluster(world, root / transport, model, transport, root / "node root", ports)
+                for transport in ("direct", "ssh")}
     rates: dict[str, dict[str, list[float]]] = {arm: {"decode": [], "prompt": [], "ttft": []}
                                                  for arm in ("llama-bench", "direct", "ssh")}
     loads: dict[str, dict[str, list[float]]] = {}
     try:
-        for cluster in clusters.values():
-            cluster.cli("up")
+        clusters["direct"].cli("up")  # starts the workers every arm uses
         prompt_text = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt - 1))
         prompt_tokens = cluster_rates(clusters["direct"], prompt_text, 1)[3]  # BOS + the words: llama-bench's -p
+        clusters["direct"].cli("down", "--keep-workers")
         for round_ in range(args.rounds):
             arms = ["llama-bench", "direct", "ssh"]
             for arm in arms[round_ % 3:] + arms[:round_ % 3]:
@@ -146,12 +150,16 @@ def main() -> int:
                     decode, fill = bench_rates(binary, model, ports, prompt_tokens, args.tokens)
                     ttft = prompt_tokens / fill + 1 / decode
                 else:
-                    decode, fill, ttft, _ = cluster_rates(clusters[arm], prompt_text, args.tokens)
+                    cluster = clusters[arm]
+                    cluster.cli("up")
+                    cluster.cli("run", "The cluster", "-n", "8")
+                    decode, fill, ttft, _ = cluster_rates(cluster, prompt_text, args.tokens)
+                    cluster.cli("down", "--keep-workers")
                 for key, value in (("decode", decode), ("prompt", fill), ("ttft", ttft)):
                     rates[arm][key].append(value)
-        for transport, cluster in list(clusters.items()):
-            cluster.cli("down")
-            loading = ssh_cluster(world, root / f"load-{transport}", load_model, transport)
+        clusters["direct"].cli("down")  # with no controller up, `down` stops the workers it left running
+        for transport in ("direct", "ssh"):
+            loading = ssh_cluster(world, root / f"load-{transport}", load_model, transport, root / f"load-{transport}")
             clusters[f"load-{transport}"] = loading
             loading.cli("up")
             loads[transport] = {"cold": [], "warm": []}
@@ -162,17 +170,14 @@ def main() -> int:
     finally:
         for cluster in clusters.values():
             cluster.cli("down", check=False)
-        for worker in workers:
-            worker.kill()
-            worker.wait()
         world.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     def median(arm: str, key: str) -> float:
         return statistics.median(rates[arm][key])
 
-    print(f"model {model.stat().st_size / 1e6:.0f} MB split 4/4 over two -t 1 workers; {args.tokens} decode tokens, "
-          f"{prompt_tokens}-token prompt; {args.rounds} rounds, arms rotated, medians")
+    print(f"model {model.stat().st_size / 1e6:.0f} MB split 4/4 over the same two -t 1 workers; "
+          f"{args.tokens} decode tokens, {prompt_tokens}-token prompt; {args.rounds} rounds, arms rotated, medians")
     for arm, values in rates.items():
         print(f"  {arm:<11} decode {median(arm, 'decode'):6.1f} tok/s  prompt {median(arm, 'prompt'):7.1f} tok/s  "
               f"first token {median(arm, 'ttft') * 1000:6.1f} ms   (decode runs: "

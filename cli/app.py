@@ -297,18 +297,24 @@ def profile(
 
 
 @app.command()
-def down() -> None:
+def down(
+    *,
+    keep_workers: Annotated[bool, typer.Option(
+        "--keep-workers", help="Leave the workers running (with their cached tensors) for the next `up` to "
+                               "adopt, or for another RPC client.")] = False,
+) -> None:
     """Stop the coordinator, every worker and the controller."""
     inventory = _inventory()
     state = client.state_for(inventory)
     running = state.controller_pid() is not None
-    result = _execute(client.shut_down(state))
+    result = _execute(client.shut_down(state, keep_workers=keep_workers))
     if result.cleaned:
         err.print(f"the controller was not running; stopped leftover workers: {', '.join(result.cleaned)}")
     for line in result.unreachable:
         err.print(f"[yellow]warning:[/yellow] could not check for a leftover worker on {line}", highlight=False,
                   soft_wrap=True)
-    err.print(f"cluster '{inventory.cluster}' is down" if running or result.cleaned
+    kept = "; its workers are still running (the next `up` adopts them)" if keep_workers else ""
+    err.print(f"cluster '{inventory.cluster}' is down{kept}" if running or result.cleaned
               else f"cluster '{inventory.cluster}' was not running")
 
 

@@ -231,17 +231,22 @@ class DownResult:
     unreachable: list[str]  # ``name: reason`` for nodes that could not be checked
 
 
-async def shut_down(state: StateDir) -> DownResult:
-    """Stop the controller, coordinator and every worker; works even when the controller is dead."""
+async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
+    """Stop the controller, coordinator and every worker; works even when the controller is dead.
+
+    With ``keep_workers`` the workers (and the model tensors they cache) stay up for the next `up` to adopt.
+    """
     pid = state.controller_pid()
     stopped_by_controller = False
     if pid is not None:
         with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
-            stopped_by_controller = (await ask(state, {"op": "down"})).get("ok") is True
+            answer = await ask(state, {"op": "down", "keep_workers": keep_workers})
+            stopped_by_controller = answer.get("ok") is True
         if not await _wait_gone(pid, DOWN_TIMEOUT_S):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     # The controller stops what it started; without one, find the workers ourselves.
+    stopped_by_controller = stopped_by_controller or keep_workers
     result = DownResult([], []) if stopped_by_controller else await _stop_leftover_workers(state)
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)

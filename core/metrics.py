@@ -51,7 +51,10 @@ def sample_command(workdir: str, backend: str) -> str:
         sections.append(("rocm-smi", "rocm-smi --showuse --showmeminfo vram --csv"
                                      " || /opt/rocm/bin/rocm-smi --showuse --showmeminfo vram --csv"))
     folder = shell_command([workdir])
-    return f'pid=$(cat {folder}/worker.pid 2>/dev/null) && [ -n "$pid" ] || exit 0\n{make_script(sections)}'
+    # `read`, not $(cat …): no subshell and no process of its own next to the decode. Its status is
+    # ignored: a pid file without a final newline still sets the variable.
+    return (f'pid=; {{ read -r pid < {folder}/worker.pid; }} 2>/dev/null; [ -n "$pid" ] || exit 0\n'
+            f'{make_script(sections)}')
 
 
 def parse_sample(text: str) -> Sample | None:

@@ -43,7 +43,7 @@ class Cluster:
     def __init__(self, root: Path, nodes: int, context: int = 512, extra: dict[int, list[str]] | None = None,
                  ssh: list[list[str]] | None = None, base_env: dict[str, str] | None = None,
                  defaults: list[str] | None = None, top: list[str] | None = None,
-                 strategy: str | None = "memory") -> None:
+                 strategy: str | None = "memory", ports: list[int] | None = None) -> None:
         """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines.
 
         ``strategy`` is memory unless asked: identical workers would otherwise get every layer on one node
@@ -51,7 +51,7 @@ class Cluster:
         """
         self.root = root
         self.state = root / "state"
-        self.ports = [free_port() for _ in range(nodes)]
+        self.ports = ports or [free_port() for _ in range(nodes)]
         self.inventory = root / "inventory.yaml"
         self.base_env = base_env or dict(os.environ)
         self.up_output = ""  # what the fixture's `up` printed on stderr

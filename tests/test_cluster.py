@@ -163,6 +163,18 @@ def test_killed_controller_is_replaced_and_workers_adopted(cluster3: Cluster) ->
     assert sum("adopted" in message for message in events) == 3
 
 
+def test_down_keep_workers_leaves_them_for_the_next_up(cluster3: Cluster) -> None:
+    workers = {node: cluster3.worker_pid(node) for node in ("n0", "n1", "n2")}
+    expected = json.loads(cluster3.cli("run", PROMPT, "-n", "8", "--json").stdout)["text"]
+    result = cluster3.cli("down", "--keep-workers")
+    assert "workers are still running" in result.stderr
+    assert not (cluster3.state / "controller.pid").exists()
+    assert all(alive(pid) for pid in workers.values()) and all(listening(port) for port in cluster3.ports)
+    assert "adopted the workers" in cluster3.cli("up").stderr
+    assert {node: cluster3.worker_pid(node) for node in workers} == workers
+    assert json.loads(cluster3.cli("run", PROMPT, "-n", "8", "--json").stdout)["text"] == expected
+
+
 def test_down_leaves_no_process_behind(short_tmp) -> None:
     cluster = Cluster(short_tmp, nodes=2)
     try:
