@@ -245,9 +245,9 @@ async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
         if not await _wait_gone(pid, DOWN_TIMEOUT_S):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    # The controller stops what it started; without one, find the workers ourselves.
-    stopped_by_controller = stopped_by_controller or keep_workers
-    result = DownResult([], []) if stopped_by_controller else await _stop_leftover_workers(state)
+    # The controller stops what it started; without one, find the workers ourselves (unless they stay).
+    settled = stopped_by_controller or keep_workers
+    result = DownResult([], []) if settled else await _stop_leftover_workers(state)
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)
     return result
