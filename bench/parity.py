@@ -159,7 +159,8 @@ def main() -> int:
                     rates[arm][key].append(value)
         clusters["direct"].cli("down")  # with no controller up, `down` stops the workers it left running
         for transport in ("direct", "ssh"):
-            loading = ssh_cluster(world, root / f"load-{transport}", load_model, transport, root / f"load-{transport}")
+            place = root / f"load-{transport}"
+            loading = ssh_cluster(world, place, load_model, transport, place / "node root")
             clusters[f"load-{transport}"] = loading
             loading.cli("up")
             loads[transport] = {"cold": [], "warm": []}
