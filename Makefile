@@ -5,8 +5,11 @@ BIN := $(VENV)/bin
 LLAMA_CPP_PYTHON := 0.3.36
 CACHE := $(or $(GGML_CLUSTER_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ggml-cluster)
 SDIST := $(CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
-# llama-cpp-python built with the RPC backend; keyed so that a build without RPC is never reused.
-WHEELS := $(CACHE)/wheels/rpc-$(LLAMA_CPP_PYTHON)
+# llama-cpp-python built with the RPC backend and the RPC client's tensor-cache threshold lowered from 10 MiB
+# to 1 MiB (workers cache what the client flags, so stock workers work with it, and it with stock workers);
+# keyed so that a build without both is never reused.
+WHEELS := $(CACHE)/wheels/rpc-cache1m-$(LLAMA_CPP_PYTHON)
+RPC_CPP := vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time, the cluster
 
@@ -31,10 +34,15 @@ $(STAMP): pyproject.toml Makefile | system-deps $(SDIST)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl >/dev/null 2>&1 || \
-	    ! $(BIN)/pip install --quiet --no-index --find-links $(WHEELS) --no-deps llama-cpp-python==$(LLAMA_CPP_PYTHON); then \
+	    ! $(BIN)/pip install --quiet --force-reinstall --no-index --find-links $(WHEELS) --no-deps \
+	      llama-cpp-python==$(LLAMA_CPP_PYTHON); then \
 	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) with -DGGML_RPC=ON (about 5 minutes on 2 cores)"; \
-	  CMAKE_ARGS="-DGGML_RPC=ON" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir $(SDIST) -w $(WHEELS) && \
-	  $(BIN)/pip install --quiet --no-index --find-links $(WHEELS) --no-deps llama-cpp-python==$(LLAMA_CPP_PYTHON); \
+	  tree=$$(mktemp -d) && tar -xzf $(SDIST) -C $$tree && source=$$tree/llama_cpp_python-$(LLAMA_CPP_PYTHON) && \
+	  sed -i 's/^const size_t HASH_THRESHOLD = 10 \* 1024 \* 1024;$$/const size_t HASH_THRESHOLD = 1024 * 1024;/' \
+	    $$source/$(RPC_CPP) && grep -q '^const size_t HASH_THRESHOLD = 1024 \* 1024;$$' $$source/$(RPC_CPP) && \
+	  CMAKE_ARGS="-DGGML_RPC=ON" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir $$source -w $(WHEELS) && \
+	  rm -rf $$tree && $(BIN)/pip install --quiet --force-reinstall --no-index --find-links $(WHEELS) --no-deps \
+	    llama-cpp-python==$(LLAMA_CPP_PYTHON); \
 	fi
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@$(BIN)/python -c 'import llama_cpp, pathlib, sys; lib = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-rpc.so.0"; sys.exit(0 if lib.exists() else f"llama-cpp-python has no RPC backend ({lib} missing): delete $(WHEELS) and rerun")'

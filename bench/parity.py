@@ -16,9 +16,14 @@ is derived as prompt/pp + 1/tg.
 Load: each cluster's coordinator is killed and the controller reloads the model into the same workers,
 with the workers' tensor cache emptied first (cold) or kept (warm); the time is the controller's
 `coordinator-ready` event. A model with tensors over the cache's 10 MiB threshold is used for this part
-(4 layers, n_embd 2048: 366 MB).
+(4 layers, n_embd 2048: 366 MB). It runs twice: with the nodes on loopback, and with the nodes across a
+shaped link (`--link`, 1 Gbit/s each way by default, a common LAN): two network namespaces made for the
+run, the head's (controller, coordinator) and the nodes' (sshd, workers), joined by a veth pair whose ends
+are rate-limited with `tc tbf`. On loopback the transfer that the cache saves costs little next to the
+loader's fixed costs, so the link arm shows what the cache is for. The link arm needs root (it is skipped
+otherwise, or with `--link none`).
 
-    .venv/bin/python bench/parity.py [--rounds 5] [--tokens 128] [--prompt 64]
+    .venv/bin/python bench/parity.py [--rounds 5] [--tokens 128] [--prompt 64] [--link 1gbit]
     (first run: builds llama-bench from the cached llama.cpp source, ~6 min on 2 cores)
 """
 
@@ -95,7 +100,7 @@ def ssh_cluster(world: SshWorld, root: Path, model: Path, transport: str, workdi
                 ports: list[int] | None = None) -> Cluster:
     """Two SSH nodes; clusters with the same ``workdir`` and ``ports`` run (and adopt) the same workers."""
     root.mkdir(parents=True, exist_ok=True)
-    lines = [["host: 127.0.0.1", f"port: {server.port}", "user: root", f"identity: {world.identity}"]
+    lines = [[f"host: {server.address}", f"port: {server.port}", "user: root", f"identity: {world.identity}"]
              for server in world.servers]
     return Cluster(root, nodes=2, context=1024, ssh=lines, base_env=world.env(), strategy="equal",
                    top=[f"model: {model}"], defaults=[f"workdir: {workdir}", f"transport: {transport}"],
@@ -119,17 +124,104 @@ def reload_seconds(cluster: Cluster, cold: bool) -> float:
     raise RuntimeError("the coordinator did not come back")
 
 
+def load_seconds(world: SshWorld, root: Path, model: Path, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Cold and warm reload times of ``model`` into the world's two nodes, per transport."""
+    loads: dict[str, dict[str, list[float]]] = {}
+    for transport in ("direct", "ssh"):
+        place = root / f"load-{transport}"
+        loading = ssh_cluster(world, place, model, transport, place / "node root")
+        try:
+            loading.cli("up")
+            loads[transport] = {"cold": [], "warm": []}
+            for _ in range(rounds):
+                for kind in ("cold", "warm"):
+                    loads[transport][kind].append(reload_seconds(loading, cold=kind == "cold"))
+        finally:
+            loading.cli("down", check=False)
+    return loads
+
+
+class Link:
+    """Two network namespaces of this run's own, the head's and the nodes', joined by a veth pair whose two
+    ends are shaped to ``rate`` (a tc rate: 1gbit, 100mbit) with a token bucket."""
+
+    HEAD, NODE = "10.77.0.1", "10.77.0.2"
+
+    def __init__(self, rate: str) -> None:
+        tag = os.getpid()
+        self.head, self.node = f"gcb-head-{tag}", f"gcb-node-{tag}"
+        ends = {self.head: f"gcbh{tag}", self.node: f"gcbn{tag}"}
+        try:
+            for space in ends:
+                self._ip("netns", "add", space)
+            self._ip("link", "add", ends[self.head], "netns", self.head, "type", "veth", "peer", "name",
+                     ends[self.node], "netns", self.node)
+            for space, address in ((self.head, self.HEAD), (self.node, self.NODE)):
+                self._ip("-n", space, "addr", "add", f"{address}/24", "dev", ends[space])
+                self._ip("-n", space, "link", "set", ends[space], "up")
+                self._ip("-n", space, "link", "set", "lo", "up")
+                # A bucket of 1 MB: at least one timer tick's worth of bytes at 1 Gbit/s, or tbf under-delivers.
+                subprocess.run(["tc", "-n", space, "qdisc", "add", "dev", ends[space], "root", "tbf", "rate", rate,
+                                "burst", "1mb", "latency", "50ms"], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            self.close()
+            raise
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def close(self) -> None:
+        """Delete both namespaces (the veth pair goes with them)."""
+        for space in (self.head, self.node):
+            subprocess.run(["ip", "netns", "delete", space], capture_output=True, check=False)
+
+
+def link_loads(link: Link, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """`load_seconds` across the link: this script again, in the head's namespace (see `--loads-from`)."""
+    result = subprocess.run(["ip", "netns", "exec", link.head, sys.executable, __file__, "--loads-from", link.node,
+                             "--rounds", str(rounds)], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"the load arm across the link failed:\n{result.stdout}\n{result.stderr}")
+    return json.loads(result.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def print_loads(where: str, model: Path, loads: dict[str, dict[str, list[float]]]) -> None:
+    print(f"load of {model.stat().st_size / 1e6:.0f} MB into the same two workers (coordinator reload), {where}:")
+    for transport, values in loads.items():
+        cold, warm = statistics.median(values["cold"]), statistics.median(values["warm"])
+        print(f"  {transport:<6} cold {cold:5.2f} s  warm {warm:5.2f} s  cold/warm {cold / warm:.2f} (goal >= 3)   "
+              f"(runs cold {values['cold']}, warm {values['warm']})")
+
+
+def loads_from(node_space: str, model: Path, rounds: int) -> int:
+    """The link arm's inside: nodes whose sshd runs in ``node_space``; prints the loads as JSON."""
+    root = Path(tempfile.mkdtemp(prefix="bench-link-", dir="/tmp"))
+    world = SshWorld(root / "world", nodes=2, address=Link.NODE, namespace=node_space)
+    try:
+        print(json.dumps(load_seconds(world, root, model, rounds)))
+    finally:
+        world.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens for the prompt-rate arms")
+    parser.add_argument("--link", default="1gbit", help="the shaped link's rate for the load arm, or 'none'")
+    parser.add_argument("--loads-from", metavar="NAMESPACE", help=argparse.SUPPRESS)  # the link arm's inside
     args = parser.parse_args()
-    binary = llama_bench()
-    model = big_model(cache_dir() / "models" / "bench-8x1024.gguf")
     load_model = cache_dir() / "models" / "bench-4x2048.gguf"
     if not load_model.exists():
         write_demo_model(load_model, n_layers=4, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=4)
+    load_rounds = max(2, args.rounds // 2)
+    if args.loads_from:
+        return loads_from(args.loads_from, load_model, load_rounds)
+    binary = llama_bench()
+    model = big_model(cache_dir() / "models" / "bench-8x1024.gguf")
     root = Path(tempfile.mkdtemp(prefix="bench-parity-", dir="/tmp"))
     world = SshWorld(root / "world", nodes=2)
     ports = [free_port(), free_port()]
@@ -137,7 +229,7 @@ def main() -> int:
                 for transport in ("direct", "ssh")}
     rates: dict[str, dict[str, list[float]]] = {arm: {"decode": [], "prompt": [], "ttft": []}
                                                  for arm in ("llama-bench", "direct", "ssh")}
-    loads: dict[str, dict[str, list[float]]] = {}
+    linked: dict[str, dict[str, list[float]]] = {}
     try:
         clusters["direct"].cli("up")  # starts the workers every arm uses
         prompt_text = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt - 1))
@@ -158,16 +250,17 @@ def main() -> int:
                 for key, value in (("decode", decode), ("prompt", fill), ("ttft", ttft)):
                     rates[arm][key].append(value)
         clusters["direct"].cli("down")  # with no controller up, `down` stops the workers it left running
-        for transport in ("direct", "ssh"):
-            place = root / f"load-{transport}"
-            loading = ssh_cluster(world, place, load_model, transport, place / "node root")
-            clusters[f"load-{transport}"] = loading
-            loading.cli("up")
-            loads[transport] = {"cold": [], "warm": []}
-            for _ in range(max(2, args.rounds // 2)):
-                for kind in ("cold", "warm"):
-                    loads[transport][kind].append(reload_seconds(loading, cold=kind == "cold"))
-            loading.cli("down")
+        loads = load_seconds(world, root, load_model, load_rounds)
+        if args.link != "none":
+            try:
+                link = Link(args.link)
+            except (OSError, subprocess.CalledProcessError) as error:
+                print(f"skipping the load arm across a {args.link} link: no network namespaces here ({error})")
+            else:
+                try:
+                    linked = link_loads(link, load_rounds)
+                finally:
+                    link.close()
     finally:
         for cluster in clusters.values():
             cluster.cli("down", check=False)
@@ -189,11 +282,9 @@ def main() -> int:
         first = median(transport, "ttft") / median("llama-bench", "ttft")
         print(f"  ggml-cluster {transport:<6} / llama-bench: decode {decode:.3f} (goal >= {goal}), prompt {fill:.3f}, "
               f"first token time {first:.2f}x")
-    print(f"load of {load_model.stat().st_size / 1e6:.0f} MB into the same two workers (coordinator reload):")
-    for transport, values in loads.items():
-        cold, warm = statistics.median(values["cold"]), statistics.median(values["warm"])
-        print(f"  {transport:<6} cold {cold:5.2f} s  warm {warm:5.2f} s  cold/warm {cold / warm:.2f} (goal >= 3)   "
-              f"(runs cold {values['cold']}, warm {values['warm']})")
+    print_loads("nodes on loopback", load_model, loads)
+    if linked:
+        print_loads(f"nodes across a {args.link} link", load_model, linked)
     return 0
 
 

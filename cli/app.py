@@ -62,14 +62,17 @@ def _fail(exc: ClusterError) -> NoReturn:
     raise typer.Exit(exc.exit_code) from None
 
 
-def _execute(work: Coroutine[Any, Any, T]) -> T:
-    """Run a core coroutine; a ClusterError becomes one line on stderr and its exit code."""
+def _execute(work: Coroutine[Any, Any, T], interrupted: str = "") -> T:
+    """Run a core coroutine; a ClusterError becomes one line on stderr and its exit code.
+
+    ``interrupted`` tells the user what Ctrl-C left behind and what to do about it.
+    """
     try:
         return asyncio.run(work)
     except ClusterError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        err.print("interrupted")
+        err.print(f"interrupted{'; ' + interrupted if interrupted else ''}", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
 
 
@@ -132,7 +135,7 @@ def up(
         finally:
             progress.stop()
 
-    result = _execute(work())
+    result = _execute(work(), "what this `up` had started was stopped; run `ggml-cluster up` again")
     snapshot = result.status
     if result.already_up:
         err.print(f"cluster '{inventory.cluster}' is already up with this inventory; nothing changed")
@@ -307,7 +310,9 @@ def down(
     inventory = _inventory()
     state = client.state_for(inventory)
     running = state.controller_pid() is not None
-    result = _execute(client.shut_down(state, keep_workers=keep_workers))
+    result = _execute(client.shut_down(state, keep_workers=keep_workers),
+                      "the controller goes on stopping what it had been asked to; `ggml-cluster down` again "
+                      "finishes the job (and stops leftover workers)")
     if result.cleaned:
         err.print(f"the controller was not running; stopped leftover workers: {', '.join(result.cleaned)}")
     for line in result.unreachable:
@@ -316,8 +321,3 @@ def down(
     kept = "; its workers are still running (the next `up` adopts them)" if keep_workers else ""
     err.print(f"cluster '{inventory.cluster}' is down{kept}" if running or result.cleaned
               else f"cluster '{inventory.cluster}' was not running")
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()

@@ -8,6 +8,7 @@ complete, so a half-written build is never used.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import os
@@ -29,7 +30,7 @@ from typing import TextIO
 from core.errors import DeployError
 from core.inventory import BuildPath, Node
 from core.probe import NodeFacts, choose_backend, install_hint
-from core.remote import Remote, shell_command
+from core.remote import Remote, free_bytes, shell_command
 from core.rpc import Version
 
 PACKAGE = "llama-cpp-python"
@@ -54,6 +55,8 @@ target_compile_features(ggml-rpc-server PRIVATE cxx_std_17)
 """
 
 Progress = Callable[[str, float | None], None]
+# Less free space than this after a failed build means the build ran out of it (a CPU build needs ~15 MB).
+LOW_SPACE = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,17 @@ def parse_progress(line: str) -> float | None:
 
 
 @contextmanager
+def _scratch(parent: Path, prefix: str) -> Iterator[Path]:
+    """A folder to fill and then move into place; removed if filling it fails (a full disk, say)."""
+    scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield scratch
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+@contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
@@ -141,14 +155,13 @@ def source_tree(version: str, progress: Progress) -> Path:
                 raise DeployError(f"cannot download the {PACKAGE}=={version} source: {last}",
                                   f"fix: put llama_cpp_python-{version}.tar.gz into {root}")
         progress("unpacking llama.cpp source", None)
-        scratch = Path(tempfile.mkdtemp(prefix=".unpack-", dir=root))
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-        with tarfile.open(archive) as tar:
+        with _scratch(root, ".unpack-") as scratch, tarfile.open(archive) as tar:
             members = [member for member in tar.getmembers() if member.name.startswith(prefix)]
             for member in members:
                 member.name = member.name[len(prefix):]
             tar.extractall(scratch, members=[m for m in members if m.name], filter="data")
-        scratch.replace(tree)
+            scratch.replace(tree)
     return tree
 
 
@@ -161,11 +174,11 @@ def worker_source(version: str, progress: Progress) -> Path:
     tree = source_tree(version, progress)
     with _locked(root / f"worker-{version}.lock"):
         if not (project / "CMakeLists.txt").is_file():
-            scratch = Path(tempfile.mkdtemp(prefix=".worker-", dir=root))
-            shutil.copytree(tree / "ggml", scratch / "ggml")
-            shutil.copy2(tree / "tools" / "rpc" / "rpc-server.cpp", scratch / "rpc-server.cpp")
-            (scratch / "CMakeLists.txt").write_text(WORKER_CMAKE)
-            scratch.replace(project)
+            with _scratch(root, ".worker-") as scratch:
+                shutil.copytree(tree / "ggml", scratch / "ggml")
+                shutil.copy2(tree / "tools" / "rpc" / "rpc-server.cpp", scratch / "rpc-server.cpp")
+                (scratch / "CMakeLists.txt").write_text(WORKER_CMAKE)
+                scratch.replace(project)
     return project
 
 
@@ -175,8 +188,13 @@ def worker_archive(version: str, progress: Progress) -> Path:
     archive = project.with_name(f"worker-{version}.tar.gz")
     if not archive.is_file():
         partial = archive.with_name(f".{archive.name}.{os.getpid()}.partial")
-        with tarfile.open(partial, "w:gz") as tar:
-            tar.add(project, arcname=".")
+        try:
+            with tarfile.open(partial, "w:gz") as tar:
+                tar.add(project, arcname=".")
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            raise DeployError(f"cannot pack the worker source into {archive.parent}: {exc.strerror or exc}",
+                              f"fix: free space there or set ${CACHE_ENV} to a larger disk") from None
         partial.replace(archive)
     return archive
 
@@ -205,21 +223,26 @@ def worker_binary(backend: str = "cpu", progress: Progress | None = None) -> Wor
         return found
     version = pinned_version()
     key = build_key(version, backend)
-    with _locked(cache_dir() / "bin" / f"{key}.lock"):
-        found = cached_worker(backend)
-        if found is not None:
-            return found
-        home = cache_dir() / "bin" / key
-        protocol = source_protocol(version, report)
-        _compile(worker_source(version, report), key, backend, home, report)
-        (home / "manifest.json").write_text(json.dumps({
-            "key": key, "version": version, "backend": backend, "built_at": time.time(),
-            "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
-        }))
+    try:
+        with _locked(cache_dir() / "bin" / f"{key}.lock"):
+            found = cached_worker(backend)
+            if found is not None:
+                return found
+            home = cache_dir() / "bin" / key
+            protocol = source_protocol(version, report)
+            manifest = json.dumps({
+                "key": key, "version": version, "backend": backend, "built_at": time.time(),
+                "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
+            })
+            _compile(worker_source(version, report), key, backend, home, manifest, report=report)
+    except OSError as exc:
+        reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+        raise DeployError(f"cannot build the worker in {cache_dir()}: {reason}",
+                          f"fix: free space there or set ${CACHE_ENV} to a folder on a larger disk") from None
     return WorkerBinary(home / TARGET, key, protocol)
 
 
-def _compile(project: Path, key: str, backend: str, home: Path, report: Progress) -> None:
+def _compile(project: Path, key: str, backend: str, home: Path, manifest: str, *, report: Progress) -> None:
     builds = cache_dir() / "build"
     builds.mkdir(parents=True, exist_ok=True)
     build = builds / key
@@ -238,11 +261,12 @@ def _compile(project: Path, key: str, backend: str, home: Path, report: Progress
     built = build / TARGET
     if not built.is_file():
         raise DeployError(f"the build finished but {built} is missing", f"see the build log {log_path}")
-    scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=home.parent))
-    shutil.copy2(built, scratch / TARGET)
-    if home.exists():
-        shutil.rmtree(home)
-    scratch.replace(home)
+    with _scratch(home.parent, f".{key}-") as scratch:
+        shutil.copy2(built, scratch / TARGET)
+        (scratch / "manifest.json").write_text(manifest)  # last: a folder without it is never used
+        if home.exists():
+            shutil.rmtree(home)
+        scratch.replace(home)
     report(f"built {TARGET} ({key})", 1.0)
 
 
@@ -267,9 +291,12 @@ def _run_logged(command: list[str], log: TextIO, log_path: Path, on_line: Callab
     code = process.wait()
     if code != 0:
         reason = tail[-1] if tail else f"exit status {code}"
-        if "No space left on device" in "".join(tail):
+        # Not every tool says so (ar: "unable to copy file; reason: Success"): look at the disk too.
+        if "No space left on device" in "".join(tail) or shutil.disk_usage(log_path.parent).free < LOW_SPACE:
             reason = "the disk is full"
-        raise DeployError(f"building {TARGET} failed: {reason}", f"see the build log {log_path}")
+        hint = f"fix: free space or set ${CACHE_ENV} to a larger disk; see {log_path}" \
+            if reason == "the disk is full" else f"see the build log {log_path}"
+        raise DeployError(f"building {TARGET} failed: {reason}", hint)
 
 
 @dataclass(frozen=True)
@@ -421,6 +448,8 @@ async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, bac
         if fraction is not None:
             progress(f"building {TARGET} on {node.name}", fraction)
     if code != 0:
-        reason = "the disk is full" if any("No space left" in e for e in errors) else (
-            errors[-1] if errors else f"exit status {code}")
-        raise DeployError(f"node {node.name}: building {TARGET} failed: {reason}", f"see {log} on the node")
+        full = any("No space left" in e for e in errors) or (await free_bytes(remote, root) or LOW_SPACE) < LOW_SPACE
+        reason = "the disk is full" if full else (errors[-1] if errors else f"exit status {code}")
+        raise DeployError(f"node {node.name}: building {TARGET} failed: {reason}",
+                          f"fix: free space on the node or set its workdir to a larger disk; see {log} there"
+                          if full else f"see {log} on the node")

@@ -150,7 +150,9 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
         with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
             answer = await asyncio.wait_for(ask(state, {"op": "ping"}), 10)
         if answer is not None and answer.get("inventory") == wanted:
-            return UpResult(await status(state), already_up=True, restarted=False, adopted=False)
+            # Still starting (an earlier `up` was killed while it waited): wait for it as that `up` would have.
+            snapshot = await _wait_ready(state, None, on_status)
+            return UpResult(snapshot, already_up=True, restarted=False, adopted=False)
         if answer is not None:
             await shut_down(state)
             restarted = True
@@ -194,11 +196,12 @@ def _spawn_controller(state: StateDir) -> subprocess.Popen[bytes]:
                                 start_new_session=True)
 
 
-async def _wait_ready(state: StateDir, process: subprocess.Popen[bytes],
+async def _wait_ready(state: StateDir, process: subprocess.Popen[bytes] | None,
                       on_status: Callable[[ClusterStatus], None]) -> ClusterStatus:
+    """Watch the controller (``process``, or one already running) until its coordinator is ready."""
     deadline = time.monotonic() + UP_TIMEOUT_S
     while not state.socket.exists():
-        if process.poll() is not None:
+        if process is None or process.poll() is not None:
             raise DeployError(f"the controller exited at start-up: {_tail(state.controller_log)}",
                               f"see {state.controller_log}")
         if time.monotonic() > deadline:
@@ -206,7 +209,7 @@ async def _wait_ready(state: StateDir, process: subprocess.Popen[bytes],
         await asyncio.sleep(0.05)
     async for snapshot in watch(state, interval=0.5):
         on_status(snapshot)
-        if snapshot.coordinator.state == CoordinatorState.READY:
+        if snapshot.coordinator.state in (CoordinatorState.READY, CoordinatorState.GENERATING):
             return snapshot
         if snapshot.coordinator.state == CoordinatorState.FAILED:
             raise ClusterError(f"the cluster could not start: {snapshot.coordinator.last_error}")

@@ -15,6 +15,8 @@ import logging
 import os
 import platform
 import signal
+import socket
+import struct
 import sys
 import time
 from collections import deque
@@ -35,6 +37,7 @@ from core.errors import (
     ProfileError,
     PromptError,
     RequestError,
+    WorkerDown,
     WorkerError,
 )
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
@@ -480,11 +483,25 @@ class Controller:
     async def _verify(self, runtime: NodeRuntime) -> bool:
         if runtime.endpoint is None or runtime.spec is None:
             return False
+        pid = runtime.status.pid
         try:
             await probe_worker(*runtime.endpoint, timeout=3.0, client=self.launch.protocol)
             return True
         except WorkerError as exc:
             self._fail_node(runtime, str(exc))
+            return False
+        except WorkerDown as exc:
+            if await worker.running_supervisor(runtime.remote, runtime.spec) is None:
+                self._fail_node(runtime, f"its worker and supervisor are gone ({exc})")
+                return False
+            # Died a moment ago and its supervisor's "exit" is still on the way: killing it again now would
+            # kill its replacement and double the supervisor's backoff. Wait for it to come back instead
+            # (unless that exit, and maybe the restart, were handled while we probed).
+            if runtime.status.pid == pid and runtime.status.state == NodeState.READY:
+                runtime.ready.clear()
+                runtime.status.state = NodeState.RESTARTING
+                self.record("worker-down", f"worker is not listening ({exc}); waiting for its supervisor to "
+                            "restart it", runtime.node.name)
             return False
         except ClusterError as exc:
             runtime.ready.clear()
@@ -930,6 +947,40 @@ def _rate(count: object, seconds: object) -> float | None:
 # --- the control socket ----------------------------------------------------------------------------
 
 
+def peer_uid(connection: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (Linux), or None where unknown."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", credentials)[1])
+
+
+def checked_request(request: dict[str, Any]) -> dict[str, Any]:
+    """A `run` request whose fields have the types the coordinator expects; ValueError names a bad one.
+
+    The control socket takes JSON from any process of this user: a wrong type must be an answer, not a
+    coordinator that crashes on every resume until the request gives up.
+    """
+    def number(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    prompt, messages = request.get("prompt", ""), request.get("messages")
+    if not isinstance(prompt, str):
+        raise ValueError("'prompt' must be text")
+    if messages is not None and not (isinstance(messages, list) and all(
+            isinstance(message, dict) and all(isinstance(key, str) for key in message) for message in messages)):
+        raise ValueError("'messages' must be a list of objects")
+    max_tokens = request.get("max_tokens", 128)
+    if not (number(max_tokens) and 1 <= max_tokens <= 1 << 24 and max_tokens == int(max_tokens)):
+        raise ValueError("'max_tokens' must be a whole number from 1")
+    temperature, seed = request.get("temperature", 0.0), request.get("seed")
+    if not (number(temperature) and 0.0 <= temperature <= 100.0):
+        raise ValueError("'temperature' must be a number from 0")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
+        raise ValueError("'seed' must be a whole number")
+    return {**request, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": float(temperature)}
+
+
 async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
     async def send(message: dict[str, Any]) -> None:
@@ -937,6 +988,13 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
         await writer.drain()
 
     try:
+        # The socket is 0600 in a 0700 folder; this also turns away a user who was let in by a chmod.
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if uid is not None and uid != os.getuid():
+            controller.record("refused", f"refused a control connection from uid {uid} (only uid {os.getuid()} "
+                              f"may control this cluster)")
+            await send({"error": "this cluster belongs to another user"})
+            return
         line = await reader.readline()
         request = json.loads(line) if line else {}
         op = request.get("op") if isinstance(request, dict) else None
@@ -951,7 +1009,7 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
                 await controller.wait_change(interval)
         elif op == "run":
             try:
-                await controller.generate(request, send)
+                await controller.generate(checked_request(request), send)
             except ClusterError as exc:
                 await send({"event": "error", "message": str(exc)})
         elif op == "profile":
@@ -966,6 +1024,9 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
             await send({"error": f"unknown op {op!r}"})
     except (ConnectionError, json.JSONDecodeError, asyncio.IncompleteReadError):
         pass
+    except (ValueError, TypeError) as exc:  # a line over the reader's limit, or a field of the wrong type
+        with contextlib.suppress(ConnectionError):
+            await send({"error": f"bad request: {exc}"})
     finally:
         writer.close()
         with contextlib.suppress(ConnectionError, OSError):

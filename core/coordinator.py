@@ -163,7 +163,7 @@ class Generator:
                         f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}"})
             return
         emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
-        rng = np.random.default_rng(seed if isinstance(seed, int) else None) if temperature > 0 else None
+        rng = np.random.default_rng(seed % (1 << 64) if isinstance(seed, int) else None) if temperature > 0 else None
         started = time.perf_counter()
         llm.reset()  # type: ignore[no-untyped-call]
         llm.eval(prompt_tokens)

@@ -27,6 +27,10 @@ class ConnectError(ClusterError):
     """A node, worker or the controller could not be reached."""
 
 
+class WorkerDown(ConnectError):
+    """Nothing listens on a worker's port (or a forward to it): the worker is down or restarting, not hung."""
+
+
 class DeployError(ClusterError):
     """A worker binary could not be built, found or started."""
 

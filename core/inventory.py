@@ -6,6 +6,7 @@ import difflib
 import ipaddress
 import os
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,6 +17,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from core.errors import InventoryError
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
+# Users and hosts reach ssh's own config expansion (ProxyCommand's %r and %h run through a shell), so they
+# may hold only what a POSIX login name, a host name, an IPv4/IPv6 address (with a %zone) or an alias holds.
+USER_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*$"
+HOST_PATTERN = r"^([A-Za-z0-9_.:%][A-Za-z0-9_.:%-]*)?$"  # empty: a local node
 INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
 EMBEDDED_SOURCE = "<embedded default>"
@@ -47,8 +52,17 @@ def parse_size(value: object) -> int:
     return size
 
 
+def _no_nul(value: object) -> object:
+    if isinstance(value, str) and "\0" in value:
+        raise ValueError("a path cannot contain a NUL character")
+    return value
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
 Name = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=64)]
+User = Annotated[str, Field(pattern=USER_PATTERN, min_length=1, max_length=64)]
+Host = Annotated[str, Field(pattern=HOST_PATTERN, max_length=255)]
+PathText = Annotated[str, BeforeValidator(_no_nul), Field(min_length=1, max_length=4096)]
 Backend = Literal["auto", "cpu", "cuda", "rocm", "vulkan", "metal"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 
@@ -60,7 +74,7 @@ class _Frozen(BaseModel):
 class BuildPath(_Frozen):
     """``build: {path: …}``: use an installed ggml-rpc-server."""
 
-    path: str
+    path: PathText
 
 
 Build = Literal["auto", "remote", "push"] | BuildPath
@@ -71,13 +85,13 @@ class NodeDefaults(_Frozen):
 
     kind: Literal["local", "ssh"] | None = None
     port: Port | None = None
-    user: str | None = None
-    identity: str | None = None
+    user: User | None = None
+    identity: PathText | None = None
     rpc_port: Port | None = None
     threads: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
     backend: Backend | None = None
     memory: Size | None = None
-    workdir: str | None = None
+    workdir: PathText | None = None
     transport: Literal["ssh", "direct"] | None = None
     build: Build | None = None
     host_key: Literal["strict", "accept-new"] | None = None
@@ -89,15 +103,15 @@ class Node(_Frozen):
 
     name: Name
     kind: Literal["local", "ssh"] = "ssh"
-    host: str = ""
+    host: Host = ""
     port: Port | None = None  # None: ~/.ssh/config's Port for the host, else 22
-    user: str | None = None
-    identity: str | None = None
+    user: User | None = None
+    identity: PathText | None = None
     rpc_port: Port = 50052
     threads: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
     backend: Backend = "auto"
     memory: Size | None = None
-    workdir: str | None = None
+    workdir: PathText | None = None
     transport: Literal["ssh", "direct"] = "ssh"
     build: Build = "auto"
     host_key: Literal["strict", "accept-new"] = "strict"
@@ -141,7 +155,7 @@ class Inventory(_Frozen):
     """A validated cluster description."""
 
     cluster: Name
-    model: str | None = None
+    model: PathText | None = None
     context: Annotated[int, Field(ge=64, le=1 << 20, strict=True)] = 2048
     # Seconds a request may go without progress before a worker counts as hung.
     watchdog: Annotated[int, Field(ge=1, le=3600, strict=True)] = 60
@@ -208,6 +222,8 @@ def parse_inventory(text: str, source: str) -> Inventory:
     try:
         raw = yaml.safe_load(text)
         tree = yaml.compose(text)
+    except RecursionError:
+        raise InventoryError(f"{source}: the YAML is nested too deeply", "fix: see inventory.example.yaml") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -298,7 +314,7 @@ def _validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate:
         error = errors[0]
         loc = where + tuple(part for part in error["loc"] if part not in _UNION_TAGS)
         message, fix = _explain(error, model)
-        label = f" ({node_name})" if isinstance(node_name, str) and node_name else ""
+        label = f" ({_shown_key(node_name)})" if isinstance(node_name, str) and node_name else ""
         raise InventoryError(locate.at(loc, message, label), fix) from None
 
 
@@ -314,32 +330,50 @@ def direct_warnings(inventory: Inventory) -> list[str]:
             for node in inventory.nodes if node.kind == "ssh" and node.transport == "direct"]
 
 
+# Shows a bad value in one short line, however big or deeply aliased (YAML anchors can nest a billion items).
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlevel = 2
+
+
 def _explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None]:
     kind = error["type"]
-    got = error.get("input")
+    got = _SHORT.repr(error.get("input"))
     if kind == "extra_forbidden":
         key = str(error["loc"][-1])
         fields = list(getattr(model, "model_fields", {}))
         close = difflib.get_close_matches(key, fields, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
-        return f"unknown key '{key}'", f"fix: {hint}"
+        return f"unknown key {_SHORT.repr(key)}", f"fix: {hint}"
     if kind == "missing":
         return "required field is missing", f"fix: add '{error['loc'][-1]}'"
     if kind in ("int_type", "int_parsing", "int_from_float"):
-        return f"expected a whole number, got {got!r}", None
+        return f"expected a whole number, got {got}", None
     if kind in ("string_type",):
-        return f"expected text, got {got!r}", None
+        return f"expected text, got {got}", None
     if kind == "literal_error":
-        return f"got {got!r}; {error['msg'].lower()}", None
+        return f"got {got}; {error['msg'].lower()}", None
     if kind == "string_pattern_mismatch":
-        return f"{got!r} is not a valid name", "fix: use only letters, digits, '.', '_' and '-'"
+        field = error["loc"][-1]
+        if field == "user":
+            return (f"{got} is not a user name",
+                    "fix: use only letters, digits, '.', '_' and '-', not starting with '.' or '-'")
+        if field == "host":
+            return (f"{got} is not a host name or address",
+                    "fix: use a host name, an IP address or a ~/.ssh/config alias, without spaces or shell characters")
+        return f"{got} is not a valid name", "fix: use only letters, digits, '.', '_' and '-'"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"expected a mapping, got {got!r}", None
+        return f"expected a mapping, got {got}", None
     if kind in ("greater_than_equal", "less_than_equal", "too_short", "too_long"):
-        return f"{got!r}: {error['msg'].lower()}", None
+        return f"{got}: {error['msg'].lower()}", None
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, "), None
-    return f"{error['msg']} (got {got!r})", None
+    return f"{error['msg']} (got {got})", None
+
+
+def _shown_key(key: object) -> str:
+    """A key or name as written when it is plain, else quoted and shortened (keeps the error one line)."""
+    return key if isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", key) else _SHORT.repr(key)
 
 
 class _Locator:
@@ -352,7 +386,7 @@ class _Locator:
     def at(self, loc: tuple[str | int, ...], message: str, label: str = "") -> str:
         path = ""
         for part in loc:
-            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+            path += f"[{part}]" if isinstance(part, int) else (f".{_shown_key(part)}" if path else _shown_key(part))
             if isinstance(part, int) and path.startswith("nodes") and path.count("[") == 1:
                 path += label
         line = self._line(loc)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import asyncssh
 
-from core.errors import ConnectError
+from core.errors import ConnectError, DeployError
 from core.inventory import Node
 from core.relay import Link
 
@@ -27,6 +27,16 @@ from core.relay import Link
 def shell_command(argv: Sequence[str | Path]) -> str:
     """One shell-safe command line from an argument vector."""
     return " ".join(shlex.quote(str(arg)) for arg in argv)
+
+
+async def free_bytes(remote: Remote, folder: str) -> int | None:
+    """Bytes free to the node's user in ``folder`` (POSIX df), or None when unknown."""
+    with contextlib.suppress(ConnectError):
+        lines = (await remote.run(f"df -Pk {shell_command([folder])}")).stdout.splitlines()
+        fields = lines[-1].split() if len(lines) > 1 else []
+        if len(fields) >= 4 and fields[3].isdigit():
+            return int(fields[3]) * 1024
+    return None
 
 
 def tied_to_reader(command: str) -> str:
@@ -287,13 +297,22 @@ class SshRemote:
     async def upload(self, source: Path, destination: str, mode: int = 0o644) -> None:
         """Copy a file to the node over SFTP, then rename it into place (never half-written)."""
         partial = f"{destination}.partial"
+        folder = str(Path(destination).parent)
         try:
             async with self._connection().start_sftp_client() as sftp:
-                await sftp.makedirs(str(Path(destination).parent), exist_ok=True)
+                await sftp.makedirs(folder, exist_ok=True)
                 await sftp.put(str(source), partial)
                 await sftp.chmod(partial, mode)
                 await sftp.posix_rename(partial, destination)
         except (asyncssh.Error, OSError) as exc:
+            # SFTP reports a full disk as a bare "Failure": ask the node, and do not leave the part behind.
+            with contextlib.suppress(ConnectError):
+                await self.run(f"rm -f {shell_command([partial])}")
+            free = await free_bytes(self, folder)
+            if free is not None and free < source.stat().st_size:
+                raise DeployError(f"node {self.name}: the disk is full: {source.name} needs "
+                                  f"{source.stat().st_size >> 20} MiB, {folder} has {free >> 20} MiB free",
+                                  "fix: free space on the node, or set its workdir to a larger disk") from None
             raise ConnectError(f"node {self.name}: upload of {source.name} failed: {exc}") from None
 
     async def port_open(self, port: int, host: str = "127.0.0.1") -> bool:

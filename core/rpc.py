@@ -12,7 +12,7 @@ import contextlib
 import struct
 from dataclasses import dataclass
 
-from core.errors import ConnectError, WorkerError
+from core.errors import ConnectError, WorkerDown, WorkerError
 
 CMD_GET_DEVICE_MEMORY = 11
 CMD_HELLO = 14
@@ -21,6 +21,7 @@ CONN_CAPS_SIZE = 24
 HELLO_RESPONSE_SIZE = 4 + CONN_CAPS_SIZE
 # No answer this protocol sends is larger; a bigger size means the peer is not a ggml-rpc server.
 MAX_RESPONSE_SIZE = 1 << 20
+MAX_DEVICES = 256  # far more than one machine holds; a larger count is a broken or hostile peer
 
 _HEADER = struct.Struct("<BQ")
 _SIZE = struct.Struct("<Q")
@@ -78,7 +79,10 @@ def decode_device_count(payload: bytes) -> int:
     """Number of devices from a DEVICE_COUNT answer."""
     if len(payload) != 4:
         raise WorkerError(f"DEVICE_COUNT answer has {len(payload)} bytes, expected 4")
-    return int(struct.unpack("<I", payload)[0])
+    count = int(struct.unpack("<I", payload)[0])
+    if count > MAX_DEVICES:
+        raise WorkerError(f"the worker reports {count} devices; is this port a ggml-rpc-server?")
+    return count
 
 
 def decode_device_memory(payload: bytes) -> DeviceMemory:
@@ -107,29 +111,43 @@ class WorkerInfo:
         return sum(device.total for device in self.devices)
 
 
-async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cmd: int, payload: bytes) -> bytes:
+async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cmd: int, payload: bytes,
+                first: bool = False) -> bytes:
     writer.write(encode_request(cmd, payload))
     await writer.drain()
     try:
-        size = decode_size(await reader.readexactly(_SIZE.size))
-        return await reader.readexactly(size)
+        header = await reader.readexactly(_SIZE.size)
     except asyncio.IncompleteReadError as exc:
+        if first and not exc.partial:
+            # Closed before a byte: an SSH forward whose far end has no listener looks like this.
+            raise WorkerDown("the connection was closed before any answer (nothing listens there)") from None
         raise WorkerError(f"connection closed after {len(exc.partial)} bytes of an RPC answer") from None
+    except ConnectionResetError:
+        if first:
+            raise WorkerDown("the connection was reset before any answer") from None
+        raise
+    try:
+        return await reader.readexactly(decode_size(header))
+    except asyncio.IncompleteReadError as exc:
+        raise WorkerError(f"connection closed after {_SIZE.size + len(exc.partial)} bytes of an RPC answer") from None
 
 
 async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Version | None = None) -> WorkerInfo:
     """Connect, HELLO, and read every device's memory.
 
-    Raises ConnectError when nothing answers (in time), WorkerError when the answer is wrong, including a
-    protocol that ``client`` cannot speak (checked before anything else is sent).
+    Raises WorkerDown when nothing listens (refused, or closed before answering), ConnectError when
+    nothing answers in time, WorkerError when the answer is wrong, including a protocol that ``client``
+    cannot speak (checked before anything else is sent).
     """
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError:
+        raise WorkerDown(f"nothing listens on {host}:{port}") from None
     except (OSError, TimeoutError) as exc:
         raise ConnectError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
     try:
         async with asyncio.timeout(timeout):
-            version = decode_hello(await _call(reader, writer, CMD_HELLO, bytes(CONN_CAPS_SIZE)))
+            version = decode_hello(await _call(reader, writer, CMD_HELLO, bytes(CONN_CAPS_SIZE), first=True))
             if client is not None and not version.compatible_with(client):
                 raise WorkerError(f"worker speaks RPC protocol {version}, the coordinator speaks {client}",
                                   "fix: rebuild the worker from the coordinator's llama.cpp (ggml-cluster does "
@@ -142,6 +160,8 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Versi
     except TimeoutError:
         raise ConnectError(f"{host}:{port} did not answer HELLO within {timeout:g}s "
                            "(busy with another client, or not a ggml-rpc-server)") from None
+    except WorkerDown as exc:
+        raise WorkerDown(f"{host}:{port}: {exc}") from None
     except OSError as exc:
         raise ConnectError(f"{host}:{port}: {exc}") from None
     finally:

@@ -3,7 +3,7 @@
 # start and exit as a JSON line in events.jsonl. Plain POSIX sh, so a node needs no Python.
 # usage: supervise.sh DIR MAX_EXITS WINDOW_S MAX_BACKOFF_S COMMAND [ARG...]
 #   MAX_EXITS exits within WINDOW_S seconds is a crash loop: the supervisor records "failed" and stops.
-#   Restarts wait 1 s, then twice as long each time, up to MAX_BACKOFF_S.
+#   Restarts wait 1 s, then twice as long each time, up to MAX_BACKOFF_S; after a run of 10 s, 1 s again.
 set -u
 dir=$1 max_exits=$2 window=$3 max_backoff=$4
 shift 4
@@ -64,8 +64,9 @@ while :; do
         exit 1
     fi
 
-    # A worker that ran a while was healthy: start over from a short backoff.
-    if [ $((now - started)) -ge 60 ]; then backoff=1; fi
+    # A worker that ran a while was healthy (a crash at start-up exits within seconds): start over from a
+    # short backoff. Flapping is still caught by the crash-loop count above.
+    if [ $((now - started)) -ge 10 ]; then backoff=1; fi
     emit backoff ",\"seconds\":$backoff"
     sleep "$backoff" &
     sleeper=$!

@@ -30,11 +30,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def listening(port: int) -> bool:
-    """Whether something accepts connections on 127.0.0.1:port."""
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on host:port."""
     with socket.socket() as probe:
         probe.settimeout(0.5)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+        return probe.connect_ex((host, port)) == 0
 
 
 class Cluster:

@@ -20,18 +20,21 @@ def keygen(path: Path) -> str:
 
 
 class Sshd:
-    """One sshd on 127.0.0.1:port that accepts ``authorized`` keys for the current user."""
+    """One sshd on address:port that accepts ``authorized`` keys for the current user."""
 
-    def __init__(self, root: Path, authorized: Path, without: tuple[str, ...] = ()) -> None:
-        """``without``: commands missing from the PATH that sessions on this "node" get."""
+    def __init__(self, root: Path, authorized: Path, without: tuple[str, ...] = (), address: str = "127.0.0.1",
+                 namespace: str | None = None) -> None:
+        """``without``: commands missing from the PATH that sessions on this "node" get; ``namespace``: the
+        network namespace sshd (and so every process a session starts) runs in (a benchmark's shaped link)."""
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
+        self.address = address
         self.port = free_port()
         self.host_key = root / "host_ed25519"
         self.host_public = keygen(self.host_key)
         config = root / "sshd_config"
         config.write_text("\n".join([
-            f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {self.host_key}",
+            f"Port {self.port}", f"ListenAddress {address}", f"HostKey {self.host_key}",
             f"PidFile {root / 'sshd.pid'}", f"AuthorizedKeysFile {authorized}",
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
             "PermitRootLogin prohibit-password", "StrictModes no", "UsePAM no", "MaxSessions 64",
@@ -40,10 +43,11 @@ class Sshd:
         ]))
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
         self.log = (root / "sshd.log").open("w")
-        self.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=self.log,
+        inside = ["ip", "netns", "exec", namespace] if namespace else []  # `ip` execs sshd: same pid
+        self.process = subprocess.Popen([*inside, SSHD, "-D", "-e", "-f", str(config)], stdout=self.log,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
-        while not listening(self.port):
+        while not listening(self.port, address):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"sshd did not start: {(root / 'sshd.log').read_text()}")
             time.sleep(0.05)
@@ -58,7 +62,7 @@ class Sshd:
         return folder
 
     def known_hosts_line(self) -> str:
-        return f"[127.0.0.1]:{self.port} {' '.join(self.host_public.split()[:2])}"
+        return f"[{self.address}]:{self.port} {' '.join(self.host_public.split()[:2])}"
 
     def stop(self) -> None:
         self.process.terminate()
@@ -69,7 +73,8 @@ class Sshd:
 class SshWorld:
     """A client HOME with a key and known_hosts, and several sshd 'nodes' that trust that key."""
 
-    def __init__(self, root: Path, nodes: int) -> None:
+    def __init__(self, root: Path, nodes: int, address: str = "127.0.0.1", namespace: str | None = None) -> None:
+        """``address`` and ``namespace``: where the nodes' sshd listen and run (see `Sshd`)."""
         self.root = root
         self.home = root / "home"
         ssh = self.home / ".ssh"
@@ -78,7 +83,8 @@ class SshWorld:
         authorized = root / "authorized_keys"
         authorized.write_text(keygen(self.identity) + "\n")
         self.authorized = authorized
-        self.servers = [Sshd(root / f"sshd{index}", authorized) for index in range(nodes)]
+        self.servers = [Sshd(root / f"sshd{index}", authorized, address=address, namespace=namespace)
+                        for index in range(nodes)]
         self.extra: list[Sshd] = []
         (ssh / "known_hosts").write_text("".join(s.known_hosts_line() + "\n" for s in self.servers))
 

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
-from core.build import build_key, parse_progress, parse_protocol, pinned_version, worker_binary
+from core.build import (
+    CACHE_ENV,
+    build_key,
+    cache_dir,
+    cached_worker,
+    parse_progress,
+    parse_protocol,
+    pinned_version,
+    worker_binary,
+)
 from core.errors import DeployError
 from core.rpc import Version
 
@@ -43,3 +59,31 @@ def test_cached_worker_matches_the_pinned_coordinator() -> None:
     assert binary.path.is_file() and binary.key.startswith(pinned_version() + "-")
     assert binary.protocol == Version(7, 0, 0)
     assert worker_binary("cpu") == binary  # second call: from the cache
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 28 MiB tmpfs: room for the worker's source and a few of its object files, not for the build."""
+    mount = Path(tempfile.mkdtemp(prefix="gcd-", dir="/tmp"))
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=28m", "tmpfs", str(mount)],
+                                           capture_output=True, check=False).returncode != 0:
+        mount.rmdir()
+        pytest.skip("needs root and tmpfs mounts to fill a disk (CI runs as root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+    mount.rmdir()
+
+
+@pytest.mark.integration
+def test_a_full_disk_during_the_build_is_a_clear_error_and_nothing_half_built_is_kept(
+        small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = cache_dir() / "src" / f"worker-{pinned_version()}"
+    worker_binary("cpu")  # makes sure the source is there to copy
+    shutil.copytree(source, small_disk / "src" / source.name)
+    monkeypatch.setenv(CACHE_ENV, str(small_disk))
+    with pytest.raises(DeployError, match="the disk is full") as caught:
+        worker_binary("cpu")
+    assert CACHE_ENV in str(caught.value)
+    assert cached_worker("cpu") is None
+    assert not (small_disk / "bin" / build_key(pinned_version(), "cpu")).exists()
+    assert not list((small_disk / "bin").glob(".*"))  # no scratch folder left to be mistaken for a build

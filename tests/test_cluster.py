@@ -175,6 +175,41 @@ def test_down_keep_workers_leaves_them_for_the_next_up(cluster3: Cluster) -> Non
     assert json.loads(cluster3.cli("run", PROMPT, "-n", "8", "--json").stdout)["text"] == expected
 
 
+def test_reload_takes_every_weight_over_1_mib_from_the_workers_cache(short_tmp) -> None:
+    """The coordinator's RPC client is built to offer the workers' cache every weight over 1 MiB (stock
+    llama.cpp: over 10 MiB, which leaves most models' attention matrices out, here all of them): the first
+    load saves each one on its worker, and a reload after a coordinator crash sends none of them again."""
+    from gguf import GGUFReader
+
+    from core.model import write_demo_model
+
+    model = write_demo_model(short_tmp / "wide.gguf", n_layers=2, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4)
+    # Every weight over 1 MiB but the token embeddings, which llama.cpp keeps on the coordinator.
+    weights = sorted(int(tensor.n_bytes) for tensor in GGUFReader(str(model)).tensors
+                     if tensor.name != "token_embd.weight" and tensor.n_bytes > 1024 * 1024)
+    assert 2 * 1024 * 1024 in weights and max(weights) < 10 * 1024 * 1024  # none that stock llama.cpp caches
+    (short_tmp / "c").mkdir()
+    cluster = Cluster(short_tmp / "c", nodes=2, top=[f"model: {model}"])
+    cache = cluster.state / "tensor-cache" / "rpc"
+    try:
+        cluster.cli("up")
+        assert sorted(path.stat().st_size for path in cache.iterdir()) == weights
+        saved = {path.name: path.stat().st_mtime_ns for path in cache.iterdir()}
+        logs = [cluster.worker_dir(node) / "worker.log" for node in ("n0", "n1")]
+        writes = sum(log.read_text().count("saved to") for log in logs)
+        assert writes == len(weights)
+        status = cluster.status()
+        os.kill(status["coordinator"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while sum(event["kind"] == "coordinator-ready" for event in cluster.status()["events"]) < 2:
+            assert time.monotonic() < deadline, "the coordinator did not come back"
+            time.sleep(0.2)
+        assert sum(log.read_text().count("saved to") for log in logs) == writes
+        assert {path.name: path.stat().st_mtime_ns for path in cache.iterdir()} == saved
+    finally:
+        cluster.cli("down", check=False)
+
+
 def test_down_leaves_no_process_behind(short_tmp) -> None:
     cluster = Cluster(short_tmp, nodes=2)
     try:

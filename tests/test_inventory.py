@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cli.app import app
@@ -138,3 +142,123 @@ def test_sizes(text: object, size: int) -> None:
 def test_bad_sizes(text: object) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+# --- hostile input: any YAML is a valid inventory or one located line (exit 2); nothing shell-like survives -----
+
+HOSTILE = [0, 70000, -1, "0",
+           "a;touch /tmp/x", "$(id)", "`id`", "a b", "-oProxyCommand=id", "a\nb", "a\0b", "'", '"', "|", "&&", "\\",
+           "%r", "~", "..", "*", "\t", "é", "x" * 300]
+# Per field: values a user would write, so that many examples are valid; near misses come from HOSTILE.
+FIELDS = {
+    "kind": ["local", "ssh"], "host": ["127.0.0.1", "::1", "10.0.0.7"],
+    "port": [22, 2222], "user": ["llama", "root", "svc_x-1"], "identity": ["~/.ssh/id_ed25519"],
+    "rpc_port": [50052, 6000], "threads": [1, 4], "backend": ["auto", "cpu", "cuda", "metal"],
+    "memory": ["6GiB", "512 MiB", 4096], "workdir": ["~/work", "/srv/a b"], "transport": ["ssh", "direct"],
+    "build": ["auto", "remote", "push", {"path": "/opt/bin/ggml-rpc-server"}], "host_key": ["strict", "accept-new"],
+    "labels": [{"site": "home"}, {"gpu": "1", "note": "a;b"}],
+    "name": ["a", "b-1"],
+}
+TOP = {"context": [512, 2048], "watchdog": [60, 1], "strategy": ["compute", "memory", "equal"],
+       "objective": ["latency", "throughput"], "api": [{"port": 0}, {"host": "127.0.0.1", "port": 8081}],
+       "metrics": [{"enabled": False}, {"port": 9465}], "model": ["m.gguf", "~/models/x.gguf"]}
+scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
+           | st.sampled_from(HOSTILE))
+keys = st.sampled_from([*FIELDS, *TOP, "name", "cluster", "nodes", "path"]) | st.text(max_size=8)
+trees = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=4),
+                     max_leaves=12)
+
+
+def field(values: list[object]) -> st.SearchStrategy[object]:
+    """Mostly a plausible value; one in ten a hostile or arbitrary one."""
+    return mostly(st.sampled_from(values), scalars | trees)
+
+
+def mostly(usual: st.SearchStrategy[object], odd: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.integers(0, 9).flatmap(lambda roll: usual if roll else odd)
+
+
+def fields(choices: dict[str, list[object]]) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries({}, optional={key: field(values) for key, values in choices.items()})
+
+
+def numbered(index_and_node: tuple[int, dict]) -> dict:
+    index, node = index_and_node
+    return {"name": f"n{index}", "host": "127.0.0.1", "rpc_port": 50100 + index, **node}
+
+
+nodes = st.lists(mostly(fields(FIELDS), trees), min_size=1, max_size=3).map(
+    lambda listed: [numbered(pair) if isinstance(pair[1], dict) else pair[1] for pair in enumerate(listed)])
+inventories = st.fixed_dictionaries(
+    {"cluster": field(["lab", "home.gpu"]), "nodes": mostly(nodes, trees)},
+    optional={"defaults": fields({key: values for key, values in FIELDS.items() if key not in ("host", "name")}),
+              **{key: field(values) for key, values in TOP.items()}})
+SHELL_SAFE = re.compile(r"[A-Za-z0-9_.:%-]*")
+
+
+def _assert_valid_or_one_located_line(text: str) -> None:
+    try:
+        inventory = parse_inventory(text, "fuzz.yaml")
+    except InventoryError as exc:
+        message = str(exc)
+        assert message.startswith("fuzz.yaml") and "\n" not in message and len(message) < 600, message
+        assert exc.exit_code == 2
+        return
+    for node in inventory.nodes:  # what survives into ssh's username and host name is plain
+        assert SHELL_SAFE.fullmatch(node.user or "") and SHELL_SAFE.fullmatch(node.host), node
+        assert not node.host.startswith("-") and not (node.user or "").startswith("-")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inventories)
+def test_any_inventory_tree_loads_or_is_one_located_line(tree: object) -> None:
+    _assert_valid_or_one_located_line(yaml.safe_dump(tree, allow_unicode=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=200)
+       | st.builds(lambda cut, noise: LOCAL_SSH[:cut] + noise + LOCAL_SSH[cut:],
+                   st.integers(0, 200), st.text(alphabet=":-[]{}&*!|>'\"%@`#,? \n\t", max_size=6)))
+def test_any_text_loads_or_is_one_located_line(text: str) -> None:
+    _assert_valid_or_one_located_line(text)
+
+
+LOCAL_SSH = ("cluster: lab\ndefaults: {workdir: ~/w, labels: {site: home}}\nnodes:\n  - name: a\n    kind: local\n"
+             "  - name: b\n    host: 10.0.0.2\n    user: llama\n    build: {path: /opt/ggml-rpc-server}\n")
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 5000,                                                  # deeper than the YAML composer recurses
+    "a: &a [*a]\ncluster: *a\nnodes: *a\n",                      # a cycle
+    "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(       # a billion laughs, shown in a line
+        f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}]\n"
+        for i in range(1, 9)) + "cluster: *l8\nnodes: *l8\n",
+    "---\na: 1\n---\nb: 2\n",                                   # two documents
+    'cluster: a\nnodes:\n  - {name: a, kind: local, "x\\ny": 1}\n',  # a key that would break the line
+])
+def test_pathological_yaml_is_one_located_line(text: str) -> None:
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(text, "bad.yaml")
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 600
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("user", "root;id", "'root;id' is not a user name"),
+    ("user", "-oProxyCommand=id", "is not a user name"),
+    ("host", "h$(id)", "is not a host name or address"),
+    ("host", "-oProxyCommand=id", "is not a host name or address"),
+    ("workdir", "a\0b", "a path cannot contain a NUL character"),
+])
+def test_fields_that_reach_ssh_reject_shell_characters(field: str, value: str, expected: str) -> None:
+    text = yaml.safe_dump({"cluster": "a", "nodes": [{"name": "x", "host": "h", field: value}]})
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(text, "bad.yaml")
+    assert f"nodes[0] (x).{field}: " in str(caught.value) and expected in str(caught.value)
+
+
+def test_plain_users_hosts_and_odd_paths_are_accepted() -> None:
+    inventory = parse_inventory(yaml.safe_dump({"cluster": "a", "nodes": [
+        {"name": "x", "host": "fe80::1%eth0", "user": "svc_llama-2", "workdir": "/srv/a b;$(c)",
+         "labels": {"note": "a;b $(c)"}},
+        {"name": "y", "host": "gpu-box.lan", "user": "u.x"}]}), "ok.yaml")
+    assert inventory.nodes[0].workdir == "/srv/a b;$(c)"  # paths are quoted on the node, never run

@@ -8,9 +8,11 @@ import subprocess
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.build import worker_binary
-from core.relay import GRAPH_COMPUTE, GRAPH_RECOMPUTE, FrameError, FrameReader, Relay
+from core.relay import COMMANDS, GRAPH_COMPUTE, GRAPH_RECOMPUTE, HEADER, MAX_FRAME, FrameError, FrameReader, Relay
 from core.rpc import probe_worker
 from tests.harness import free_port, listening
 
@@ -39,6 +41,43 @@ def test_unknown_command_and_oversized_frame_are_errors() -> None:
         FrameReader().feed(frame(200, b""))
     with pytest.raises(FrameError, match="announces"):
         FrameReader().feed(struct.pack("<BQ", 6, 1 << 60))
+
+
+def parse_whole(stream: bytes) -> list[int] | None:
+    """The commands of a stream read in one piece, or None when it is not ggml-rpc frames (the reference)."""
+    commands, position = [], 0
+    while position + HEADER.size <= len(stream):
+        command, size = HEADER.unpack_from(stream, position)
+        if command >= COMMANDS or size > MAX_FRAME:
+            return None
+        commands.append(command)
+        position += HEADER.size + size
+    return commands
+
+
+frames = st.lists(st.tuples(st.integers(0, COMMANDS - 1), st.binary(max_size=30)).map(lambda pair: frame(*pair)),
+                  max_size=6)
+garbage = st.binary(max_size=64) | st.tuples(st.integers(0, 255), st.sampled_from(
+    [MAX_FRAME, MAX_FRAME + 1, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1)).map(lambda pair: HEADER.pack(*pair))
+
+
+@settings(max_examples=500, deadline=None)
+@given(frames, garbage, st.lists(st.integers(1, 50), min_size=1, max_size=20))
+def test_any_stream_in_any_chunks_reads_as_whole_or_is_a_frame_error(good: list[bytes], tail: bytes,
+                                                                    cuts: list[int]) -> None:
+    stream = b"".join(good) + tail
+    expected = parse_whole(stream)
+    reader, seen, position, index = FrameReader(), [], 0, 0
+    try:
+        while position < len(stream):
+            step = cuts[index % len(cuts)]
+            seen += reader.feed(stream[position:position + step])
+            position, index = position + step, index + 1
+            assert len(reader._header) < HEADER.size  # never holds more than a part of one header
+    except FrameError:
+        assert expected is None
+    else:
+        assert seen == expected
 
 
 @pytest.mark.integration

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import subprocess
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core import rpc
 from core.build import worker_binary
-from core.errors import ConnectError, WorkerError
+from core.errors import ConnectError, WorkerDown, WorkerError
 from tests.harness import free_port, listening
 
 
@@ -94,9 +98,21 @@ def test_peer_that_hangs_up_mid_answer() -> None:
     asyncio.run(_serve(handler, check))
 
 
-def test_nobody_listening() -> None:
-    with pytest.raises(ConnectError, match="cannot connect"):
+def test_nobody_listening_is_a_worker_that_is_down() -> None:
+    with pytest.raises(WorkerDown, match="nothing listens on "):
         asyncio.run(rpc.probe_worker("127.0.0.1", free_port(), timeout=1))
+
+
+def test_a_peer_that_hangs_up_before_answering_is_down_not_wrong() -> None:
+    """What an SSH port forward to a port nobody listens on looks like from here."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    async def check(port: int) -> None:
+        with pytest.raises(WorkerDown, match="closed before any answer"):
+            await rpc.probe_worker("127.0.0.1", port, timeout=2)
+
+    asyncio.run(_serve(handler, check))
 
 
 @pytest.mark.integration
@@ -116,3 +132,48 @@ def test_real_worker_answers_hello_and_memory() -> None:
     assert info.version == binary.protocol == rpc.Version(7, 0, 0)
     assert len(info.devices) >= 1
     assert 0 < info.mem_free <= info.mem_total
+
+
+# --- fuzz: whatever a peer answers, the probe ends in time with a result or a clean error, in bounded memory ---
+
+SIZES = st.sampled_from([0, 4, 16, rpc.HELLO_RESPONSE_SIZE, rpc.MAX_RESPONSE_SIZE, rpc.MAX_RESPONSE_SIZE + 1,
+                         2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1)
+HELLO = bytes([3, 0, 0]) + bytes(rpc.HELLO_RESPONSE_SIZE - 3)
+answers = st.lists(st.one_of(
+    st.tuples(SIZES, st.binary(max_size=40)).map(lambda pair: struct.pack("<Q", pair[0]) + pair[1]),
+    st.just(struct.pack("<Q", len(HELLO)) + HELLO),
+    st.integers(0, 2**32 - 1).map(lambda count: struct.pack("<QI", 4, count)),
+    st.binary(max_size=24)), max_size=5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(answers, st.booleans())
+def test_any_answer_to_the_probe_is_a_result_or_a_clean_error(script: list[bytes], hang_up: bool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for answer in script:
+                _, size = struct.unpack("<BQ", await reader.readexactly(9))
+                await reader.readexactly(size)
+                writer.write(answer)
+                await writer.drain()
+            if not hang_up:
+                await asyncio.sleep(5)
+        writer.close()
+
+    async def check(port: int) -> None:
+        tracemalloc.start()
+        try:
+            await rpc.probe_worker("127.0.0.1", port, timeout=0.2)
+        except (WorkerError, ConnectError) as exc:
+            assert "\n" not in str(exc)
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < 4 << 20
+
+    asyncio.run(_serve(handler, check))
+
+
+def test_a_peer_with_billions_of_devices_is_refused() -> None:
+    with pytest.raises(WorkerError, match="reports 4294967295 devices"):
+        rpc.decode_device_count(struct.pack("<I", 2**32 - 1))

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -206,19 +207,60 @@ def test_port_in_use_on_the_node(world: SshWorld, short_root: Path) -> None:
         cluster.cli("down", check=False)
 
 
-def test_shell_metacharacters_in_paths_execute_nothing(world: SshWorld, short_root: Path) -> None:
+def test_shell_metacharacters_in_every_field_execute_nothing_and_no_key_is_written(
+        world: SshWorld, short_root: Path) -> None:
+    """Paths and labels may hold anything and are quoted; users and hosts are refused by the inventory.
+    Whatever --debug prints or the cluster writes holds no part of the private key."""
     canary = short_root / "PWNED"
-    hostile = f"{short_root}/a b;touch {canary};$(touch {canary})`touch {canary}`"
-    cluster = ssh_cluster(world, short_root, nodes=1)
-    text = cluster.inventory.read_text().replace(f"workdir: {short_root / 'node root'}", f"workdir: '{hostile}'")
+    hostile = f"a b;touch {canary};$(touch {canary})`touch {canary}`|touch {canary}&"
+    cluster = ssh_cluster(world, short_root, nodes=2)
+    text = cluster.inventory.read_text().replace(f"workdir: {short_root / 'node root'}",
+                                                 f"workdir: '{short_root}/{hostile}'")
+    text = text.replace("  - name: n1\n", f"  - name: n1\n    build: {{path: '{short_root}/{hostile}/bin'}}\n")
+    text = text.replace("  - name: n0\n", f"  - name: n0\n    labels: {{note: '{hostile}'}}\n")
     cluster.inventory.write_text(text)
     try:
-        cluster.cli("up")
-        assert cluster.cli("run", PROMPT, "-n", "4").returncode == 0
-        assert Path(hostile).is_dir()
+        up = cluster.cli("--debug", "up")
+        assert "n1: node n1: build.path" in up.stderr and "is not an executable file on the node" in up.stderr
+        run = cluster.cli("--debug", "run", PROMPT, "-n", "4")
+        assert Path(f"{short_root}/{hostile}").is_dir()
+        for field, value in (("user", "root"), ("host", "127.0.0.1")):  # refused before anything runs
+            cluster.inventory.write_text(text.replace(f"{field}: {value}", f"{field}: '{value};{hostile}'", 1))
+            refused = cluster.cli("up", check=False)
+            assert refused.returncode == 2 and f".{field}: " in refused.stderr
+    finally:
+        cluster.inventory.write_text(text)
+        down = cluster.cli("--debug", "down", check=False)
+    assert not canary.exists()
+    key = [line for line in world.identity.read_text().splitlines() if "PRIVATE KEY" not in line]
+    written = [up.stdout + up.stderr, run.stdout + run.stderr, down.stdout + down.stderr]
+    written += [path.read_text(errors="replace") for path in short_root.rglob("*") if path.is_file()]
+    assert not any(line in blob for line in key for blob in written)
+
+
+@pytest.fixture
+def full_disk(short_root: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: less than the worker's source archive."""
+    mount = short_root / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                      capture_output=True, check=False).returncode != 0:
+        pytest.skip("needs root and tmpfs mounts to fill a disk (CI runs as root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_on_the_node_is_named_and_leaves_no_partial_file(world: SshWorld, short_root: Path,
+                                                                       full_disk: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=1, overrides={0: {"workdir": str(full_disk)}},
+                          extra={0: ["build: remote"]})
+    try:
+        result = cluster.cli("up", check=False)
+        assert result.returncode == 1
+        assert "node n0: the disk is full" in result.stderr and "set its workdir to a larger disk" in result.stderr
+        assert not [path for path in full_disk.rglob("*") if path.is_file()]
     finally:
         cluster.cli("down", check=False)
-    assert not canary.exists()
 
 
 def test_check_reports_every_node_without_starting_anything(world: SshWorld, short_root: Path) -> None:

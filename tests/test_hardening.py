@@ -1,0 +1,185 @@
+"""A live local cluster under hostile and interrupted use: private state, other users and garbage turned
+away, Ctrl-C and kill -9 of `up` and `down` left in a state the next command finishes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core.controller import checked_request
+from tests.harness import Cluster, alive, listening
+from tests.test_cluster import PROMPT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# Runs as another user: only the standard library, from the system's Python (the venv may be private).
+AS_ANOTHER_USER = """
+import json, socket, sys
+with socket.socket(socket.AF_UNIX) as connection:
+    connection.connect(sys.argv[1])
+    connection.sendall(b'{"op": "status"}\\n')
+    print(connection.makefile().readline())
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster2() -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="gch-", dir="/tmp"))
+    cluster = Cluster(root, nodes=2)
+    cluster.cli("up")
+    yield cluster
+    cluster.cli("down", check=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def control(cluster: Cluster, data: bytes) -> bytes:
+    """Send raw bytes on the control socket; what the controller answers before it closes."""
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.settimeout(10)
+        connection.connect(str(cluster.state / "control.sock"))
+        with contextlib.suppress(BrokenPipeError):  # it may answer and hang up before reading it all
+            connection.sendall(data)
+            connection.shutdown(socket.SHUT_WR)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := connection.recv(65536):
+                answer += chunk
+        return answer
+
+
+def test_state_is_private_to_its_user(cluster2: Cluster) -> None:
+    assert stat.S_IMODE(cluster2.state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((cluster2.state / "control.sock").stat().st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+                    reason="needs root to act as another user (CI runs as root)")
+def test_another_user_is_refused_even_when_the_permissions_let_it_in(cluster2: Cluster) -> None:
+    opened = [cluster2.root, cluster2.state, cluster2.state / "control.sock"]
+    modes = [path.stat().st_mode for path in opened]
+    try:
+        for path in opened:  # as if the user had loosened them by hand
+            path.chmod(0o777)
+        result = subprocess.run(["/usr/bin/python3", "-c", AS_ANOTHER_USER, str(cluster2.state / "control.sock")],
+                                user=65534, group=65534, capture_output=True, text=True, timeout=30, check=True)
+    finally:
+        for path, mode in zip(opened, modes, strict=True):
+            path.chmod(stat.S_IMODE(mode))
+    assert json.loads(result.stdout) == {"error": "this cluster belongs to another user"}
+    events = cluster2.status()["events"]
+    assert any(event["kind"] == "refused" and "uid 65534" in event["message"] for event in events)
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    (b"x" * 300_000, b"bad request"),                                    # one line over the reader's limit
+    (b"\xff\xfe\x00garbage\n", b"bad request"),                          # not UTF-8
+    (b"{not json\n", b""),                                               # closed without an answer
+    (b"[1, 2]\n", b"unknown op None"),
+    (b'{"op": "watch", "interval": "soon"}\n', b"bad request"),
+    (b'{"op": "run", "prompt": {"a": 1}}\n', b"'prompt' must be text"),
+    (b'{"op": "run", "prompt": "hi", "max_tokens": 1e300}\n', b"'max_tokens' must be a whole number"),
+    (b'{"op": "run", "messages": "hi"}\n', b"'messages' must be a list of objects"),
+    (os.urandom(4096), None),
+])
+def test_garbage_on_the_control_socket_is_answered_and_the_controller_serves_on(
+        cluster2: Cluster, data: bytes, expected: bytes | None) -> None:
+    controller = int((cluster2.state / "controller.pid").read_text())
+    answer = control(cluster2, data)
+    if expected is not None:
+        assert expected in answer if expected else answer == b""
+    assert alive(controller)
+    result = json.loads(cluster2.cli("run", PROMPT, "-n", "4", "--json").stdout)
+    assert result["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("request_", [
+    {"prompt": 5}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "max_tokens": True},
+    {"prompt": "a", "max_tokens": 2.5}, {"prompt": "a", "temperature": "hot"}, {"prompt": "a", "temperature": -1},
+    {"prompt": "a", "seed": "x"}, {"messages": [1]}, {"messages": [{1: "a"}]},
+])
+def test_run_requests_of_the_wrong_shape_are_refused_by_name(request_: dict) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        checked_request(request_)
+
+
+def test_a_good_run_request_passes_with_its_fields_normalised() -> None:
+    assert checked_request({"prompt": "a", "max_tokens": 8.0, "temperature": 1, "seed": -3}) == {
+        "prompt": "a", "max_tokens": 8, "temperature": 1.0, "seed": -3}
+
+
+def wait_for(condition, timeout: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def gone(cluster: Cluster, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while cluster.processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not cluster.processes() and not any(listening(port) for port in cluster.ports)
+
+
+def test_ctrl_c_during_up_stops_what_it_started_and_the_next_up_works(short_tmp: Path) -> None:
+    cluster = Cluster(short_tmp, nodes=2)
+    try:
+        up = cluster.popen("up")
+        wait_for((cluster.state / "controller.pid").exists, what="the controller")
+        up.send_signal(signal.SIGINT)
+        _, stderr = Cluster.finish(up, timeout=120)
+        assert up.returncode == 130
+        assert "interrupted; what this `up` had started was stopped" in stderr and "Traceback" not in stderr
+        assert gone(cluster)
+        cluster.cli("up")
+        assert json.loads(cluster.cli("run", PROMPT, "-n", "4", "--json").stdout)["completion_tokens"] == 4
+    finally:
+        cluster.cli("down", check=False)
+    assert gone(cluster)
+
+
+def test_killed_up_is_finished_by_the_next_up(short_tmp: Path) -> None:
+    cluster = Cluster(short_tmp, nodes=2)
+    try:
+        up = cluster.popen("up")
+        wait_for((cluster.state / "controller.pid").exists, what="the controller")
+        up.kill()
+        up.communicate(timeout=30)
+        again = cluster.cli("up")  # waits for the controller the killed `up` left starting
+        assert "ready: 2 worker(s)" in again.stderr
+        assert json.loads(cluster.cli("run", PROMPT, "-n", "4", "--json").stdout)["completion_tokens"] == 4
+    finally:
+        cluster.cli("down", check=False)
+    assert gone(cluster)
+
+
+@pytest.mark.parametrize(("how", "after"), [(signal.SIGINT, 0.2), (signal.SIGINT, 1.0), (signal.SIGKILL, 1.0)])
+def test_interrupted_down_is_finished_by_the_next_down(short_tmp: Path, how: signal.Signals, after: float) -> None:
+    cluster = Cluster(short_tmp, nodes=2)
+    try:
+        cluster.cli("up")
+        down = cluster.popen("down")
+        time.sleep(after)  # 0.2 s: while the command still loads
+        down.send_signal(how)
+        _, stderr = Cluster.finish(down, timeout=120)
+        assert "Traceback" not in stderr
+        result = cluster.cli("down")
+        assert "is down" in result.stderr or "was not running" in result.stderr
+        assert gone(cluster)
+        assert not (cluster.state / "control.sock").exists() and not (cluster.state / "controller.pid").exists()
+        cluster.cli("up")  # and the cluster starts again from what was left
+    finally:
+        cluster.cli("down", check=False)
+    assert gone(cluster)
