@@ -13,15 +13,15 @@ receives them, prompt tokens/s as the coordinator times the prompt, and time to 
 controller sees it (request in to first token out). llama-bench has no time to first token; its equivalent
 is derived as prompt/pp + 1/tg.
 
-Load: each cluster's coordinator is killed and the controller reloads the model into the same workers,
-with the workers' tensor cache emptied first (cold) or kept (warm); the time is the controller's
-`coordinator-ready` event. A model with tensors over the cache's 10 MiB threshold is used for this part
-(4 layers, n_embd 2048: 366 MB). It runs twice: with the nodes on loopback, and with the nodes across a
-shaped link (`--link`, 1 Gbit/s each way by default, a common LAN): two network namespaces made for the
-run, the head's (controller, coordinator) and the nodes' (sshd, workers), joined by a veth pair whose ends
-are rate-limited with `tc tbf`. On loopback the transfer that the cache saves costs little next to the
-loader's fixed costs, so the link arm shows what the cache is for. The link arm needs root (it is skipped
-otherwise, or with `--link none`).
+Load: each cluster's coordinator is killed and the controller reloads the model into the same workers, with the
+workers' tensor cache emptied first (cold) or kept (warm); the time is the controller's `coordinator-ready`
+event. A model with tensors over the cache's threshold (1 MiB in our build, 10 MiB in stock llama.cpp) is used
+for this part (4 layers, n_embd 2048: 366 MB). It runs twice: with the nodes on loopback, and with the nodes
+across a shaped link (`--link`, 1 Gbit/s each way by default, a common LAN): two network namespaces made for
+the run, the head's (controller, coordinator) and the nodes' (sshd, workers), joined by a veth pair whose ends
+are rate-limited with `tc tbf`. On loopback the transfer that the cache saves costs little next to the loader's
+fixed costs, so the link arm shows what the cache is for. The link arm needs root (it is skipped otherwise, or
+with `--link none`).
 
     .venv/bin/python bench/parity.py [--rounds 5] [--tokens 128] [--prompt 64] [--link 1gbit]
     (first run: builds llama-bench from the cached llama.cpp source, ~6 min on 2 cores)

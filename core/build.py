@@ -342,7 +342,8 @@ async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: 
     key = build_key(pinned_version(), backend, facts.os.system, facts.arch)
     if isinstance(node.build, BuildPath):
         path = node_root(remote, node.build.path) if node.build.path.startswith("~") else node.build.path
-        if (await remote.run(f"test -x {shell_command([path])}")).code != 0:
+        quoted = shell_command([path])
+        if (await remote.run(f"test -f {quoted} && test -x {quoted}")).code != 0:  # -x alone takes a folder
             raise DeployError(f"node {node.name}: build.path {path} is not an executable file on the node",
                               "fix: install ggml-rpc-server there or use build: auto")
         return Deployment(path, key, backend, "installed", reason)

@@ -238,6 +238,42 @@ def test_shell_metacharacters_in_every_field_execute_nothing_and_no_key_is_writt
     assert not any(line in blob for line in key for blob in written)
 
 
+def test_an_encrypted_identity_is_used_through_ssh_agent_and_its_passphrase_is_never_needed(
+        world: SshWorld, short_root: Path) -> None:
+    passphrase = "correct horse battery staple"
+    key = short_root / "locked_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-f", str(key)], check=True)
+    with world.authorized.open("a") as handle:
+        handle.write(Path(f"{key}.pub").read_text())
+    cluster = ssh_cluster(world, short_root, nodes=1, overrides={0: {"identity": str(key)}})
+    locked = cluster.cli("--debug", "check", "--json", check=False)
+    problem = json.loads(locked.stdout)[0]["problem"]
+    assert locked.returncode == 1
+    assert f"cannot use identity {key}: Passphrase must be specified" in problem and f"ssh-add {key}" in problem
+    agent_socket = short_root / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(agent_socket)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not agent_socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        askpass = short_root / "askpass"
+        askpass.write_text(f"#!/bin/sh\necho '{passphrase}'\n")
+        askpass.chmod(0o700)
+        subprocess.run(["ssh-add", str(key)], stdin=subprocess.DEVNULL, capture_output=True, check=True,
+                       env={**os.environ, "SSH_AUTH_SOCK": str(agent_socket), "SSH_ASKPASS": str(askpass),
+                            "SSH_ASKPASS_REQUIRE": "force", "DISPLAY": ":0"})
+        askpass.unlink()
+        cluster.base_env["SSH_AUTH_SOCK"] = str(agent_socket)
+        unlocked = cluster.cli("--debug", "check")
+    finally:
+        agent.terminate()
+        agent.wait(timeout=10)
+    assert "ready to run a worker" in unlocked.stderr
+    written = [locked.stdout + locked.stderr, unlocked.stdout + unlocked.stderr]
+    written += [path.read_text(errors="replace") for path in short_root.rglob("*") if path.is_file()]
+    assert not any(passphrase in blob for blob in written)
+
+
 @pytest.fixture
 def full_disk(short_root: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs: less than the worker's source archive."""
@@ -282,6 +318,13 @@ def test_check_reports_every_node_without_starting_anything(world: SshWorld, sho
     assert cluster.processes() == [] and not (cluster.state / "controller.pid").exists()
     table = cluster.cli("check", check=False).stdout
     assert "n0" in table and "cmake not found" in table
+
+
+def test_a_build_path_that_is_a_folder_is_refused_before_anything_runs(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=1, extra={0: [f"build: {{path: {short_root}}}"]})
+    result = cluster.cli("check", "--json", check=False)
+    assert result.returncode == 1
+    assert f"build.path {short_root} is not an executable file" in json.loads(result.stdout)[0]["problem"]
 
 
 def test_ssh_config_alias_is_honoured(world: SshWorld, short_root: Path) -> None:
