@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from core import worker
 from core.api import ApiServer, serve_api
 from core.build import cache_dir, deploy_worker, node_root
@@ -1104,7 +1106,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
     state.pid.write_text(str(os.getpid()))
-    return asyncio.run(serve(state))
+    # uvloop, as on the relays' thread: RPC to SSH nodes is relayed and sealed on this loop, every token.
+    return uvloop.run(serve(state))
 
 
 if __name__ == "__main__":

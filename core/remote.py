@@ -12,7 +12,10 @@ import contextlib
 import os
 import shlex
 import shutil
+import subprocess
+import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -96,40 +99,49 @@ class Remote(Protocol):
         ...
 
 
+# Threads that wait for local commands: one per command in flight (the default pool has cores + 4, and a
+# few nodes' samples, starts and stops at once would queue behind each other).
+_COMMANDS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="local-command")
+
+
 class LocalRemote:
-    """A node that is this machine: commands run under /bin/sh, the RPC port is reached directly."""
+    """A node that is this machine: commands run under /bin/sh, the RPC port is reached directly.
+
+    Commands are started by the standard library's subprocess, not by the event loop: uvloop (the
+    controller's loop) leaves copies of a child's pipe ends open in the child, so a command that starts a
+    daemon (the worker's supervisor) would hand them on and its output would never end.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._followers: set[asyncio.subprocess.Process] = set()
+        self._followers: set[subprocess.Popen[bytes]] = set()
 
     async def run(self, command: str, timeout: float = 30.0, stdin: str | None = None) -> CommandResult:
         """Run a shell command to completion, with ``stdin`` as its input."""
-        process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", command, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        def start() -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(["/bin/sh", "-c", command], input=(stdin or "").encode(), capture_output=True,
+                                  timeout=timeout, check=False)
+
         try:
-            data = None if stdin is None else stdin.encode()
-            stdout, stderr = await asyncio.wait_for(process.communicate(data), timeout)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+            done = await asyncio.get_running_loop().run_in_executor(_COMMANDS, start)
+        except subprocess.TimeoutExpired:
             raise ConnectError(f"node {self.name}: command timed out after {timeout:g}s") from None
-        return CommandResult(process.returncode or 0, stdout.decode(errors="replace"),
-                             stderr.decode(errors="replace"))
+        return CommandResult(done.returncode, done.stdout.decode(errors="replace"),
+                             done.stderr.decode(errors="replace"))
 
     async def follow(self, command: str) -> AsyncIterator[str]:
         """Run a long-lived shell command and yield its output lines until it ends."""
-        process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", tied_to_reader(command), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        process = subprocess.Popen(["/bin/sh", "-c", tied_to_reader(command)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self._followers.add(process)
-        if process.stdout is None:
-            raise ConnectError(f"node {self.name}: cannot read the output of {command}")
+        reader = asyncio.StreamReader()
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), process.stdout)
         try:
-            async for raw in process.stdout:
+            async for raw in reader:
                 yield raw.decode(errors="replace").rstrip("\n")
         finally:
+            transport.close()
             self._followers.discard(process)
             await _end_follower(process)
 
@@ -170,15 +182,17 @@ class LocalRemote:
             await _end_follower(process)
 
 
-async def _end_follower(process: asyncio.subprocess.Process) -> None:
+async def _end_follower(process: subprocess.Popen[bytes]) -> None:
     """Close its stdin (its watcher then stops the command); kill it if that takes too long."""
-    if process.returncode is None and process.stdin is not None:
-        process.stdin.close()
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(process.wait(), 2)
-    if process.returncode is None:
+    if process.stdin is not None and not process.stdin.closed:
+        with contextlib.suppress(OSError):
+            process.stdin.close()
+    deadline = time.monotonic() + 2
+    while process.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if process.poll() is None:
         process.kill()
-        await process.wait()
+        await asyncio.get_running_loop().run_in_executor(_COMMANDS, process.wait)
 
 
 class SshRemote:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -125,3 +126,20 @@ def test_restart_after_a_kill_then_adopt_then_stop(tmp_path: Path) -> None:
     _wait_for(lambda: not alive(second) and not alive(supervisor), timeout=10)
     assert _events(spec)[-1]["kind"] == "stopped"
     assert not (workdir / "supervisor.pid").exists()
+
+
+def test_a_local_command_that_starts_a_daemon_returns_on_the_controllers_loop() -> None:
+    """The controller runs on uvloop, whose children keep copies of their pipes: a daemon started by a
+    command (the supervisor is one) must not hold the command's output open until it exits."""
+    import uvloop
+
+    async def start_and_follow() -> tuple[str, list[str]]:
+        remote = LocalRemote("n0")
+        started = await remote.run("(sleep 29.75 </dev/null >/dev/null 2>&1 &); echo started", timeout=10)
+        lines = [line async for line in remote.follow("(sleep 29.75 </dev/null >/dev/null 2>&1 &); echo one")]
+        return started.stdout, lines
+
+    try:
+        assert uvloop.run(start_and_follow()) == ("started\n", ["one"])
+    finally:
+        subprocess.run(["pkill", "-f", "^sleep 29.75$"], check=False)  # the daemons this test started
