@@ -794,8 +794,8 @@ class Controller:
         self.coordinator.state = CoordinatorState.GENERATING
         self.notify()
         if process.stdin is not None:
-            process.stdin.write((json.dumps(message) + "\n").encode())
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(ConnectionError, RuntimeError):  # it died: its "exit" is on the way
+                process.stdin.write((json.dumps(message) + "\n").encode())
                 await process.stdin.drain()
         while True:
             try:
@@ -986,6 +986,9 @@ def checked_request(request: dict[str, Any]) -> dict[str, Any]:
 async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
     async def send(message: dict[str, Any]) -> None:
+        # uvloop raises RuntimeError on a write to a closed transport; a client gone is a ConnectionError.
+        if writer.is_closing():
+            raise ConnectionResetError("the client went away")
         writer.write((json.dumps(message) + "\n").encode())
         await writer.drain()
 
