@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     model = demo_model(cache_dir()) if args.model == "demo" else \
-        big_model(Path(tempfile.gettempdir()) / "ggml-cluster-bench-180mb.gguf")
+        big_model(cache_dir() / "models" / "bench-8x1024.gguf")
     alone = {prompt: single_process(str(model), prompt, args.tokens) for prompt in PROMPTS}
     root = Path(tempfile.mkdtemp(prefix="bench-soak-", dir="/tmp"))
     cluster = Cluster(root, nodes=len(WORKERS), top=[f"model: {model}", "watchdog: 10"])

@@ -492,25 +492,21 @@ class Controller:
         except WorkerError as exc:
             self._fail_node(runtime, str(exc))
             return False
-        except WorkerDown as exc:
+        except ClusterError as exc:
             if await worker.running_supervisor(runtime.remote, runtime.spec) is None:
                 self._fail_node(runtime, f"its worker and supervisor are gone ({exc})")
                 return False
-            # Died a moment ago and its supervisor's "exit" is still on the way: killing it again now would
-            # kill its replacement and double the supervisor's backoff. Wait for it to come back instead
-            # (unless that exit, and maybe the restart, were handled while we probed).
-            if runtime.status.pid == pid and runtime.status.state == NodeState.READY:
-                runtime.ready.clear()
-                runtime.status.state = NodeState.RESTARTING
-                self.record("worker-down", f"worker is not listening ({exc}); waiting for its supervisor to "
-                            "restart it", runtime.node.name)
-            return False
-        except ClusterError as exc:
-            runtime.ready.clear()
-            supervisor = await worker.running_supervisor(runtime.remote, runtime.spec)
-            if supervisor is None:
-                self._fail_node(runtime, f"its worker and supervisor are gone ({exc})")
+            if isinstance(exc, WorkerDown):
+                # Died a moment ago and its supervisor's "exit" is still on the way: killing it again now
+                # would kill its replacement and double the supervisor's backoff. Wait for it to come back
+                # instead (unless that exit, and maybe the restart, were handled while we probed).
+                if runtime.status.pid == pid and runtime.status.state == NodeState.READY:
+                    runtime.ready.clear()
+                    runtime.status.state = NodeState.RESTARTING
+                    self.record("worker-down", f"worker is not listening ({exc}); waiting for its supervisor "
+                                "to restart it", runtime.node.name)
                 return False
+            runtime.ready.clear()
             runtime.status.state = NodeState.RESTARTING
             self.record("worker-hung", f"worker does not answer ({exc}); killing it for its supervisor to "
                         "restart", runtime.node.name)

@@ -336,6 +336,15 @@ _SHORT.maxstring = _SHORT.maxother = 60
 _SHORT.maxlevel = 2
 
 
+# What a field with a pattern holds, and how to write one (names: cluster and node names).
+_PATTERN_ERRORS = {
+    "name": ("a valid name", "fix: use only letters, digits, '.', '_' and '-'"),
+    "user": ("a user name", "fix: use only letters, digits, '.', '_' and '-', not starting with '.' or '-'"),
+    "host": ("a host name or address",
+             "fix: use a host name, an IP address or a ~/.ssh/config alias, without spaces or shell characters"),
+}
+
+
 def _explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None]:
     kind = error["type"]
     got = _SHORT.repr(error.get("input"))
@@ -354,14 +363,8 @@ def _explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | Non
     if kind == "literal_error":
         return f"got {got}; {error['msg'].lower()}", None
     if kind == "string_pattern_mismatch":
-        field = error["loc"][-1]
-        if field == "user":
-            return (f"{got} is not a user name",
-                    "fix: use only letters, digits, '.', '_' and '-', not starting with '.' or '-'")
-        if field == "host":
-            return (f"{got} is not a host name or address",
-                    "fix: use a host name, an IP address or a ~/.ssh/config alias, without spaces or shell characters")
-        return f"{got} is not a valid name", "fix: use only letters, digits, '.', '_' and '-'"
+        what, fix = _PATTERN_ERRORS.get(error["loc"][-1], _PATTERN_ERRORS["name"])
+        return f"{got} is not {what}", fix
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         return f"expected a mapping, got {got}", None
     if kind in ("greater_than_equal", "less_than_equal", "too_short", "too_long"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster
+from tests.harness import Cluster, running_cluster
 
 
 @pytest.fixture
@@ -23,9 +23,4 @@ def short_tmp() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def cluster3() -> Iterator[Cluster]:
     """A running 3-worker local cluster on the demo model, shared by a module's tests."""
-    root = Path(tempfile.mkdtemp(prefix="gc3-", dir="/tmp"))
-    cluster = Cluster(root, nodes=3)
-    cluster.cli("up")
-    yield cluster
-    cluster.cli("down", check=False)
-    shutil.rmtree(root, ignore_errors=True)
+    yield from running_cluster("gc3-", 3)

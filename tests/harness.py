@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 CLI = str(Path(sys.executable).with_name("ggml-cluster"))
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -126,3 +132,32 @@ class Cluster:
             mine |= children
             grown = bool(children)
         return [pid for pid in mine if pid != os.getpid() and alive(pid)]
+
+
+def running_cluster(prefix: str, nodes: int) -> Iterator[Cluster]:
+    """A local cluster of ``nodes`` workers on the demo model, up for as long as the generator runs."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    cluster = Cluster(root, nodes=nodes)
+    cluster.cli("up")
+    yield cluster
+    cluster.cli("down", check=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def small_disk(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's -o size=) mounted on the empty folder ``mount``, to fill a disk.
+
+    Mounting needs root: a developer's machine skips the test, CI (root) must run it and fails if it cannot.
+    """
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        reason = f"needs root and tmpfs mounts to fill a disk: {result.stderr.strip() or result.returncode}"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from core.build import (
 )
 from core.errors import DeployError
 from core.rpc import Version
+from tests.harness import small_disk
 
 HEADER = """#pragma once
 #define RPC_PROTO_MAJOR_VERSION    7
@@ -62,28 +61,26 @@ def test_cached_worker_matches_the_pinned_coordinator() -> None:
 
 
 @pytest.fixture
-def small_disk() -> Iterator[Path]:
+def small_disk_28m() -> Iterator[Path]:
     """A 28 MiB tmpfs: room for the worker's source and a few of its object files, not for the build."""
-    mount = Path(tempfile.mkdtemp(prefix="gcd-", dir="/tmp"))
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=28m", "tmpfs", str(mount)],
-                                           capture_output=True, check=False).returncode != 0:
-        mount.rmdir()
-        pytest.skip("needs root and tmpfs mounts to fill a disk (CI runs as root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-    mount.rmdir()
+    folder = Path(tempfile.mkdtemp(prefix="gcd-", dir="/tmp"))
+    try:
+        with small_disk(folder, "28m") as mount:
+            yield mount
+    finally:
+        folder.rmdir()
 
 
 @pytest.mark.integration
 def test_a_full_disk_during_the_build_is_a_clear_error_and_nothing_half_built_is_kept(
-        small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        small_disk_28m: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = cache_dir() / "src" / f"worker-{pinned_version()}"
     worker_binary("cpu")  # makes sure the source is there to copy
-    shutil.copytree(source, small_disk / "src" / source.name)
-    monkeypatch.setenv(CACHE_ENV, str(small_disk))
+    shutil.copytree(source, small_disk_28m / "src" / source.name)
+    monkeypatch.setenv(CACHE_ENV, str(small_disk_28m))
     with pytest.raises(DeployError, match="the disk is full") as caught:
         worker_binary("cpu")
     assert CACHE_ENV in str(caught.value)
     assert cached_worker("cpu") is None
-    assert not (small_disk / "bin" / build_key(pinned_version(), "cpu")).exists()
-    assert not list((small_disk / "bin").glob(".*"))  # no scratch folder left to be mistaken for a build
+    assert not (small_disk_28m / "bin" / build_key(pinned_version(), "cpu")).exists()
+    assert not list((small_disk_28m / "bin").glob(".*"))  # no scratch folder left to be mistaken for a build

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster, free_port
+from tests.harness import Cluster, free_port, small_disk
 from tests.sshd import SSHD, SshWorld, keygen
 from tests.test_cluster import PROMPT, single_process
 
@@ -279,11 +279,8 @@ def full_disk(short_root: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs: less than the worker's source archive."""
     mount = short_root / "full"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                      capture_output=True, check=False).returncode != 0:
-        pytest.skip("needs root and tmpfs mounts to fill a disk (CI runs as root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with small_disk(mount, "1m"):
+        yield mount
 
 
 def test_a_full_disk_on_the_node_is_named_and_leaves_no_partial_file(world: SshWorld, short_root: Path,
