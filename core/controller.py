@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvloop
-
 from core import worker
 from core.api import ApiServer, serve_api
 from core.build import cache_dir, deploy_worker, node_root
@@ -982,7 +980,7 @@ def checked_request(request: dict[str, Any]) -> dict[str, Any]:
 async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
     async def send(message: dict[str, Any]) -> None:
-        # uvloop raises RuntimeError on a write to a closed transport; a client gone is a ConnectionError.
+        # A client gone is a ConnectionError on any loop (uvloop would raise RuntimeError on the write).
         if writer.is_closing():
             raise ConnectionResetError("the client went away")
         writer.write((json.dumps(message) + "\n").encode())
@@ -1105,8 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
     state.pid.write_text(str(os.getpid()))
-    # uvloop, as on the relays' thread: RPC to SSH nodes is relayed and sealed on this loop, every token.
-    return uvloop.run(serve(state))
+    return asyncio.run(serve(state))
 
 
 if __name__ == "__main__":
