@@ -270,18 +270,25 @@ def main() -> int:
     def median(arm: str, key: str) -> float:
         return statistics.median(rates[arm][key])
 
+    def paired(arm: str, key: str) -> float:
+        # Each round's ratio to llama-bench in that round, then their median: this machine's speed drifts by
+        # more than the difference measured, and arms of one round run within a minute of each other.
+        return statistics.median(ours / bare for ours, bare in zip(rates[arm][key], rates["llama-bench"][key],
+                                                                   strict=True))
+
     print(f"model {model.stat().st_size / 1e6:.0f} MB split 4/4 over the same two -t 1 workers; "
           f"{args.tokens} decode tokens, {prompt_tokens}-token prompt; {args.rounds} rounds, arms rotated, medians")
     for arm, values in rates.items():
         print(f"  {arm:<11} decode {median(arm, 'decode'):6.1f} tok/s  prompt {median(arm, 'prompt'):7.1f} tok/s  "
               f"first token {median(arm, 'ttft') * 1000:6.1f} ms   (decode runs: "
               f"{', '.join(f'{value:.1f}' for value in values['decode'])})")
+    print("  ratios to llama-bench in the same round, median over rounds:")
     for transport, goal in (("direct", 0.97), ("ssh", 0.90)):
-        decode = median(transport, "decode") / median("llama-bench", "decode")
-        fill = median(transport, "prompt") / median("llama-bench", "prompt")
-        first = median(transport, "ttft") / median("llama-bench", "ttft")
-        print(f"  ggml-cluster {transport:<6} / llama-bench: decode {decode:.3f} (goal >= {goal}), prompt {fill:.3f}, "
-              f"first token time {first:.2f}x")
+        rounds = ", ".join(f"{ours / bare:.2f}" for ours, bare in zip(rates[transport]["decode"],
+                                                                      rates["llama-bench"]["decode"], strict=True))
+        print(f"  ggml-cluster {transport:<6} / llama-bench: decode {paired(transport, 'decode'):.3f} (goal >= {goal}; "
+              f"rounds {rounds}), prompt {paired(transport, 'prompt'):.3f}, "
+              f"first token time {paired(transport, 'ttft'):.2f}x")
     print_loads("nodes on loopback", load_model, loads)
     if linked:
         print_loads(f"nodes across a {args.link} link", load_model, linked)

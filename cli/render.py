@@ -151,7 +151,8 @@ NODE_COLUMNS = (
     _Column("MEMORY", memory),
     _Column("LOAD", load, right=True, optional=True),
     _Column("MS/TOK", _compute, right=True),
-    _Column("COMPUTES", lambda node: str(node.computes + node.recomputes), right=True),
+    _Column("COMPUTES", lambda node: "-" if node.link == "direct" else str(node.computes + node.recomputes),
+            right=True),
     _Column("RESTARTS", lambda node: str(node.restarts), right=True),
 )
 

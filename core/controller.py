@@ -20,7 +20,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 from core import worker
 from core.api import ApiServer, serve_api
 from core.build import cache_dir, deploy_worker, node_root
-from core.coordinator import CoordinatorConfig
+from core.coordinator import FLASH_ATTENTION, CoordinatorConfig
 from core.errors import (
     ClusterError,
     ConnectError,
@@ -54,7 +54,7 @@ from core.planner import (
 )
 from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
 from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
-from core.relay import Relay, RelayHost
+from core.relay import Link, Relay, RelayHost
 from core.remote import Remote, SshRemote, remote_for, shell_command
 from core.rpc import Version, probe_worker
 from core.state import StateDir
@@ -150,7 +150,7 @@ class NodeRuntime:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     endpoint: tuple[str, int] | None = None  # the worker, as this machine reaches it
     relay: Relay | None = None
-    relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay in front of it
+    relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay, or the worker itself
 
 
 class Controller:
@@ -171,7 +171,7 @@ class Controller:
                                   backend="cpu" if local else ""))
         self._parallel = asyncio.Semaphore(PARALLEL_NODES)
         self._relays = RelayHost()
-        self._own_relays: list[Relay] = []  # on this loop (SSH nodes'), not on the relay thread
+        self._rpc_remotes: list[SshRemote] = []  # the SSH nodes' RPC connections, on the relays' loop
         self._local_flags = local_cpu_flags()
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
@@ -236,6 +236,8 @@ class Controller:
             status.computes, status.recomputes = seen.computes, seen.recomputes
             status.bytes_to, status.bytes_from = seen.bytes_to, seen.bytes_from
             status.compute_ms, status.link = seen.compute_ms, "connected" if seen.connected else "idle"
+        elif runtime.relayed is not None:
+            status.link = "direct"
         return status
 
     def record(self, kind: str, message: str, node: str | None = None) -> None:
@@ -296,21 +298,30 @@ class Controller:
     async def _relay(self, runtime: NodeRuntime, endpoint: tuple[str, int]) -> None:
         """The observing relay the coordinator reaches this worker through (started once per node).
 
-        An SSH node's relay runs on this loop, where its connection is, and opens each link as a channel on
-        that connection; the others run on the relays' uvloop thread and connect over TCP.
+        Relays run on the relays' uvloop thread. A local node's connects over TCP; an SSH node's opens each
+        link as a channel on an SSH connection of its own (opened by the first link, on that loop), so RPC
+        never waits for the controller's loop. A `transport: direct` node has none: the user opened the
+        worker's port to take the shortest path, and a relay would add a hop to every RPC message (~0.5 ms
+        per token for two nodes, bench/relay.py), so its traffic is not observed.
         """
+        if runtime.node.kind == "ssh" and runtime.node.transport == "direct":
+            runtime.relayed = endpoint
+            return
         if runtime.relay is None:
-            name, remote, spec = runtime.node.name, runtime.remote, runtime.spec
+            name, spec = runtime.node.name, runtime.spec
 
             def report(message: str) -> None:
                 self.record("relay", message, name)
 
-            if isinstance(remote, SshRemote) and runtime.node.transport == "ssh" and spec is not None:
-                relay = Relay(endpoint, report, connect=lambda link: remote.open_rpc(spec.port, link))
-                runtime.relay, runtime.relayed = relay, await relay.start()
-                self._own_relays.append(relay)
-            else:
-                runtime.relay, runtime.relayed = await self._relays.relay(endpoint, report)
+            connect = None
+            if runtime.node.kind == "ssh" and spec is not None:
+                rpc = SshRemote(runtime.node)
+                self._rpc_remotes.append(rpc)
+
+                def connect(link: Link) -> Coroutine[Any, Any, None]:
+                    return rpc.open_rpc(spec.port, link)
+
+            runtime.relay, runtime.relayed = await self._relays.relay(endpoint, report, connect)
         runtime.relay.target = endpoint
 
     async def _sample(self, runtime: NodeRuntime) -> None:
@@ -543,10 +554,11 @@ class Controller:
 
     def _profile_target(self, runtime: NodeRuntime, capacity: NodeCapacity) -> Target:
         node, spec = runtime.node, runtime.spec
-        # Same node, same worker build and settings, same model file: the same speed.
-        identity = [node.name, node.kind, node.host, node.port, node.user, runtime.status.backend,
-                    spec.binary if spec else "", spec.threads if spec else None, self.launch.protocol]
-        endpoint = runtime.endpoint or ("", 0)
+        # Same node, same path to it, same worker build and settings, same graph, same model file: same speed.
+        identity = [node.name, node.kind, node.host, node.port, node.user, node.transport, runtime.status.backend,
+                    spec.binary if spec else "", spec.threads if spec else None, self.launch.protocol,
+                    f"flash_attn={FLASH_ATTENTION}"]
+        endpoint = runtime.relayed or ("", 0)  # timed on the coordinator's own path to the worker
         return Target(node.name, f"{endpoint[0]}:{endpoint[1]}", profile_key(identity, self._model_id),
                       capacity.usable)
 
@@ -903,10 +915,9 @@ class Controller:
         if stop_workers:
             await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values() if r.spec),
                                  return_exceptions=True)
-        for relay in self._own_relays:
-            await relay.close()
-        await self._relays.close([runtime.relay for runtime in self.nodes.values()
-                                  if runtime.relay and runtime.relay not in self._own_relays])
+        for rpc in self._rpc_remotes:
+            await self._relays.run(rpc.close())
+        await self._relays.close([runtime.relay for runtime in self.nodes.values() if runtime.relay])
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()

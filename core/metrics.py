@@ -191,12 +191,14 @@ def families(status: ClusterStatus) -> list[Metric]:
             state.add_metric([*key, str(node_state)], float(node_state == node.state))
         values: dict[str, float | None] = {
             "layers": 0 if node.layers is None else node.layers[1] - node.layers[0] + 1,
-            "restarts": node.restarts, "computes": node.computes, "recomputes": node.recomputes,
-            "sent_bytes": node.bytes_to, "received_bytes": node.bytes_from,
+            "restarts": node.restarts,
             "compute_seconds": None if node.compute_ms is None else node.compute_ms / 1000,
             "cpu_percent": node.cpu_percent, "resident_bytes": node.rss, "memory_bytes": node.mem_total or None,
             "gpu_utilization_percent": node.gpu_percent, "gpu_memory_used_bytes": node.gpu_mem_used,
         }
+        if node.link != "direct":  # no relay in front of a direct node: its traffic is not counted
+            values.update(computes=node.computes, recomputes=node.recomputes, sent_bytes=node.bytes_to,
+                          received_bytes=node.bytes_from)
         for name, value in values.items():
             if value is not None:
                 made[name].add_metric(key, float(value))

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from core.coordinator import choose_token, emit, last_logits, register_rpc_servers
+from core.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
 from core.errors import ProfileError
 from core.model import ModelFacts
 from core.planner import NodeSpeed, split_for_counts
@@ -371,7 +371,8 @@ class _Run:
         self._lib = llama_cpp
         self.llm = llama_cpp.Llama(model_path=layout.model, n_gpu_layers=-1,
                                    tensor_split=list(split_for_counts(layout.counts)), n_ctx=PROFILE_CONTEXT,
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+                                   n_threads=threads, n_threads_batch=threads, flash_attn=FLASH_ATTENTION,
+                                   verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.llm.eval([self.llm.token_bos()])

@@ -1,7 +1,8 @@
 """The observing relay: the coordinator reaches each worker through it, and it watches the RPC stream go by.
 
-It forwards bytes unchanged in both directions and reads only the frame headers of the coordinator's
-requests (``cmd:u8, size:u64``, then ``size`` payload bytes it skips without looking at). That gives per node:
+It forwards bytes unchanged in both directions (small requests that the worker does not answer wait for the
+next request, see WHOLE_FRAME) and reads only the frame headers of the coordinator's requests
+(``cmd:u8, size:u64``, then ``size`` payload bytes it skips without looking at). That gives per node:
 graph computes (and recomputes of a cached graph), bytes each way, and the time from a GRAPH_COMPUTE to the
 first answer after it (the next request that waits on the graph), which is the node's share of a token,
 seen from the coordinator, at no extra round trip. A malformed or oversized frame closes that connection
@@ -23,16 +24,26 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from core.errors import ConnectError
 
+SET_TENSOR = 6
 GRAPH_COMPUTE = 10
 GRAPH_RECOMPUTE = 16
 COMMANDS = 19          # RPC_CMD_COUNT of the pinned llama.cpp: a command byte beyond it is not ggml-rpc
 MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is a corrupt stream
+# The worker gets requests up to this size whole, and small SET_TENSORs together with the request after them.
+# llama.cpp's client sends a request as three send() calls (command, size, payload) and, per token and node,
+# ~5 small SET_TENSORs (inputs, the previous node's activations) before the graph compute; none of them is
+# answered, and the worker can do nothing useful with them before the compute arrives. Passing each piece on
+# as it comes costs a write each and, to an SSH node, a sealed packet each (~14 per token on two nodes, now
+# ~4). Larger requests (tensor uploads while loading) stream as they come.
+WHOLE_FRAME = 64 << 10
 HEADER = struct.Struct("<BQ")
 SMOOTHING = 0.2        # weight of the newest compute time in the moving average
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,21 +73,32 @@ class FrameError(ValueError):
 
 
 class FrameReader:
-    """Finds frame headers in the coordinator's byte stream, skipping payloads by count (pure)."""
+    """Finds frame headers in the coordinator's byte stream, skipping payloads by count (pure).
+
+    After each ``feed``, ``urgent_end`` and ``last_end`` say where in that chunk the last frame that must reach
+    the worker now, and the last whole frame, end (-1: none did).
+    """
 
     def __init__(self) -> None:
         self._header = bytearray()
+        self._command = 0
+        self._size = 0  # payload size of the current frame
         self._skip = 0  # payload bytes of the current frame still to come
+        self.urgent_end = -1
+        self.last_end = -1
 
     def feed(self, data: bytes) -> list[int]:
         """The commands whose headers complete in ``data``; raises FrameError on a bad header."""
         commands = []
+        self.urgent_end = self.last_end = -1
         view, position, end = memoryview(data), 0, len(data)
         while position < end:
             if self._skip:
                 step = min(self._skip, end - position)
                 self._skip -= step
                 position += step
+                if not self._skip:
+                    self._ended(position)
                 continue
             take = min(HEADER.size - len(self._header), end - position)
             self._header += view[position:position + take]
@@ -89,9 +111,20 @@ class FrameReader:
                 raise FrameError(f"unknown RPC command {command}")
             if size > MAX_FRAME:
                 raise FrameError(f"RPC command {command} announces {size} bytes")
-            self._skip = size
+            self._command, self._size, self._skip = command, size, size
             commands.append(command)
+            if not size:
+                self._ended(position)
         return commands
+
+    def _ended(self, position: int) -> None:
+        self.last_end = position
+        if self._command != SET_TENSOR or self._size > WHOLE_FRAME:
+            self.urgent_end = position
+
+    def streaming(self) -> bool:
+        """Inside a frame too large to hold back."""
+        return self._skip > 0 and self._size > WHOLE_FRAME
 
 
 class Link:
@@ -104,10 +137,11 @@ class Link:
         self.worker: Pipe | None = None
         self.compute_started: float | None = None
         self.pending: list[bytes] = []
+        self.held = b""  # small requests not passed on yet (see WHOLE_FRAME)
         self.closed = False
 
     def from_client(self, data: bytes) -> None:
-        """Bytes from the coordinator: counted, their frame headers read, then to the worker."""
+        """Bytes from the coordinator: counted, their frame headers read, then to the worker (see WHOLE_FRAME)."""
         stats = self.relay.stats
         stats.bytes_to += len(data)
         try:
@@ -123,6 +157,19 @@ class Link:
             elif command == GRAPH_RECOMPUTE:
                 stats.recomputes += 1
                 self.compute_started = time.perf_counter()
+        held = len(self.held)
+        if held:
+            data = self.held + data
+        frames = self.frames
+        if frames.streaming():
+            cut = len(data)
+        else:
+            cut = held + frames.urgent_end if frames.urgent_end >= 0 else 0
+            if len(data) - cut > WHOLE_FRAME and frames.last_end >= 0:  # many small ones: enough waiting
+                cut = max(cut, held + frames.last_end)
+        data, self.held = data[:cut], data[cut:]
+        if not data:
+            return
         if self.worker is not None:
             self.worker.write(data)
         else:
@@ -273,11 +320,13 @@ class Relay:
 
 
 class RelayHost:
-    """The relays' own event loop (uvloop) on a thread of the controller.
+    """The relays' own event loop (uvloop) on a thread of the controller: the data plane.
 
-    uvloop moves a chunk in a fraction of asyncio's time, and the relays are on the per-token path; the
-    controller's own loop stays the standard one (it runs subprocesses and SSH, where it behaves as tested).
-    Counters are plain ints, read by the controller's thread as they are.
+    uvloop moves a chunk in a fraction of asyncio's time, the relays are on the per-token path, and here they
+    do not wait behind the controller's own work (a token to stream, a status, a sample). An SSH node's RPC
+    rides a connection of its own that lives on this loop too. The controller's loop stays the standard
+    one (it runs subprocesses and the nodes' control connections, where it behaves as tested). Counters are
+    plain ints, read by the controller's thread as they are.
     """
 
     def __init__(self) -> None:
@@ -295,20 +344,26 @@ class RelayHost:
         self._thread.start()
         started.wait(10)
 
-    async def relay(self, target: tuple[str, int], on_event: Callable[[str], None]) -> tuple[Relay, tuple[str, int]]:
-        """A started relay to ``target``; ``on_event`` is called on the caller's loop."""
+    async def relay(self, target: tuple[str, int], on_event: Callable[[str], None],
+                    connect: Callable[[Link], Coroutine[Any, Any, None]] | None = None,
+                    ) -> tuple[Relay, tuple[str, int]]:
+        """A started relay to ``target`` (``connect``: as for Relay, run on this loop); ``on_event`` is called
+        on the caller's loop."""
         caller = asyncio.get_running_loop()
 
         def report(message: str) -> None:
             caller.call_soon_threadsafe(on_event, message)
 
-        relay = Relay(target, report)
-        address = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(relay.start(), self.loop))
-        return relay, address
+        relay = Relay(target, report, connect)
+        return relay, await self.run(relay.start())
+
+    async def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the relays' loop and wait for its result from the caller's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
 
     async def close(self, relays: list[Relay]) -> None:
         """Close ``relays`` and stop the loop."""
         for relay in relays:
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(relay.close(), self.loop))
+            await self.run(relay.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         await asyncio.to_thread(self._thread.join, 10)

@@ -206,6 +206,7 @@ class SshRemote:
         self._listeners: dict[int, asyncssh.SSHListener] = {}
         self._agent: asyncssh.SSHAgentClient | None = None
         self._home = ""
+        self._reconnecting = asyncio.Lock()  # bound to the loop that first uses it (the relays', for RPC)
 
     @property
     def where(self) -> str:
@@ -384,8 +385,13 @@ class SshRemote:
         """Open a relay link's worker side as a channel to the node's 127.0.0.1:port on this connection.
 
         The coordinator's bytes then cross one Python hop (the relay writing into the channel) instead of
-        two (the relay, then asyncssh's local port forward) and no extra loopback TCP connection.
+        two (the relay, then asyncssh's local port forward) and no extra loopback TCP connection. The
+        connection is (re)opened first when it is not up: the relays keep one of their own per node, and a
+        coordinator that reconnects after a network fault gets a fresh one.
         """
+        async with self._reconnecting:
+            if self._conn is None or self._conn.is_closed():
+                await self.connect()
         try:
             channel, _ = await self._connection().create_connection(lambda: _ChannelSide(link), "127.0.0.1", port)
         except (asyncssh.Error, OSError) as exc:

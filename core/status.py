@@ -69,12 +69,12 @@ class NodeStatus:
     layer_ms: float | None = None     # measured cost per token of one (mean-sized) layer here
     output_ms: float | None = None    # measured cost per token of the output layer here
     predicted_ms: float | None = None  # this node's predicted share of a token under the current plan
-    computes: int = 0                 # graph computes the coordinator sent it (seen by the relay)
+    computes: int = 0                 # graph computes the coordinator sent it (seen by the relay; none direct)
     recomputes: int = 0               # re-runs of a graph it already holds
     bytes_to: int = 0
     bytes_from: int = 0
     compute_ms: float | None = None   # measured: GRAPH_COMPUTE to its answer, moving average
-    link: str = ""                    # the coordinator's connection: connected | idle
+    link: str = ""                    # the coordinator's connection: connected | idle | direct (not observed)
     endpoint: str = ""                # the worker as the controller reaches it (an SSH forward, or direct)
     cpu_percent: float | None = None  # the worker process, sampled on its node (100 = one core)
     rss: int | None = None            # the worker's resident memory, bytes

@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
 import subprocess
 import time
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.build import worker_binary
-from core.relay import COMMANDS, GRAPH_COMPUTE, GRAPH_RECOMPUTE, HEADER, MAX_FRAME, FrameError, FrameReader, Relay
+from core.relay import (
+    COMMANDS,
+    GRAPH_COMPUTE,
+    GRAPH_RECOMPUTE,
+    HEADER,
+    MAX_FRAME,
+    SET_TENSOR,
+    FrameError,
+    FrameReader,
+    Link,
+    Relay,
+)
 from core.rpc import probe_worker
 from tests.harness import free_port, listening
 
@@ -78,6 +91,88 @@ def test_any_stream_in_any_chunks_reads_as_whole_or_is_a_frame_error(good: list[
         assert expected is None
     else:
         assert seen == expected
+
+
+class Capture:
+    """A worker side that keeps what it is given, write by write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+SMALL = 64  # WHOLE_FRAME for the property test, so that it runs through many frames quickly
+sizes = st.sampled_from([0, 1, 8, 30, SMALL - 1, SMALL, SMALL + 1, 3 * SMALL])
+
+
+def deferrable(request: bytes) -> bool:
+    return request[0] == SET_TENSOR and len(request) - HEADER.size <= SMALL
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([SET_TENSOR, SET_TENSOR, SET_TENSOR, GRAPH_RECOMPUTE, 8, 0]), sizes),
+                max_size=12),
+       st.lists(st.integers(1, 4 * SMALL), min_size=1, max_size=10), st.booleans())
+def test_requests_reach_the_worker_whole_and_none_that_matters_waits(shapes: list[tuple[int, int]], cuts: list[int],
+                                                                    sends: bool) -> None:
+    requests = [frame(command, bytes([command]) * size) for command, size in shapes]
+    stream = b"".join(requests)
+    ends = list(itertools.accumulate(len(request) for request in requests))
+    spans = [(end - len(request), end) for end, request in zip(ends, requests, strict=True)]
+    large = [(start, end) for start, end in spans if end - start - HEADER.size > SMALL]
+    urgent = [end for (_, end), request in zip(spans, requests, strict=True) if not deferrable(request)]
+    if sends:  # as llama.cpp's client sends them: command byte, size, payload
+        chunks = [piece for request in requests
+                  for piece in (request[:1], request[1:HEADER.size], request[HEADER.size:]) if piece]
+    else:
+        chunks, position = [], 0
+        for cut in itertools.cycle(cuts):
+            if position >= len(stream):
+                break
+            chunks.append(stream[position:position + cut])
+            position += cut
+    link, worker = Link(Relay(("127.0.0.1", 1), print)), Capture()
+    link.worker_connected(worker)
+    fed = 0
+    with patch("core.relay.WHOLE_FRAME", SMALL):
+        for chunk in chunks:
+            link.from_client(chunk)
+            fed += len(chunk)
+            assert b"".join(worker.writes) + link.held == stream[:fed]
+            # A request the worker answers or computes is passed on (with all before it) once it is whole.
+            assert fed - len(link.held) >= max([end for end in urgent if end <= fed], default=0)
+            assert len(link.held) <= 2 * SMALL + HEADER.size
+    # What is left waiting is only small SET_TENSORs after the last request that mattered.
+    assert all(deferrable(request) for (start, _), request in zip(spans, requests, strict=True)
+               if start >= len(stream) - len(link.held))
+    position = 0
+    for write in worker.writes:
+        position += len(write)
+        assert position in ends or any(start < position < end for start, end in large), "a small request was cut"
+    assert len(worker.writes) <= len(urgent) + len(stream) // SMALL + 1 or not sends
+
+
+def test_a_tokens_requests_reach_the_worker_in_two_writes() -> None:
+    # What llama.cpp's client sends one node per token: inputs, the compute, then it waits for the output.
+    requests = [frame(SET_TENSOR, bytes(size)) for size in (40, 40, 48, 4136, 1064)]
+    requests += [frame(GRAPH_RECOMPUTE, bytes(16)), frame(8, bytes(24))]
+    link, worker = Link(Relay(("127.0.0.1", 1), print)), Capture()
+    link.worker_connected(worker)
+    for request in requests:
+        for piece in (request[:1], request[1:HEADER.size], request[HEADER.size:]):  # three send() calls each
+            link.from_client(piece)
+    assert worker.writes == [b"".join(requests[:6]), requests[6]]
 
 
 @pytest.mark.integration

@@ -132,6 +132,17 @@ def test_a_node_with_no_layers() -> None:
     ]
 
 
+def test_a_direct_node_shows_no_traffic_counts() -> None:
+    status = when(healthy(), pi5={"link": "direct", "computes": 0, "compute_ms": None})
+    assert screen(status) == [
+        *HEADER,
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12     1210        0",
+        "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%      -        -        0",
+        *EVENTS,
+    ]
+
+
 def test_narrow_screens_drop_the_load_column_first_and_never_overflow() -> None:
     wide = screen(healthy(), width=120)
     assert "LOAD" in wide[3]

@@ -344,9 +344,52 @@ def test_direct_transport_is_opt_in_and_warns(world: SshWorld, short_root: Path)
         result = cluster.cli("up")
         assert f"transport: direct exposes the worker's unauthenticated RPC port on 127.0.0.1:{cluster.ports[0]}" \
             in result.stderr
-        # No tunnel: the coordinator's relay connects to the worker's own port.
-        assert cluster.status()["nodes"][0]["endpoint"] == f"127.0.0.1:{cluster.ports[0]}"
-        assert cluster.cli("run", PROMPT, "-n", "4").returncode == 0
+        # No tunnel and no relay: the coordinator connects to the worker's own port.
+        worker_port = f"127.0.0.1:{cluster.ports[0]}"
+        status = cluster.status()
+        assert status["nodes"][0]["endpoint"] == worker_port and status["nodes"][0]["link"] == "direct"
+        expected = json.loads(cluster.cli("run", PROMPT, "-n", "240", "--json").stdout)["text"]
+        config = json.loads(Path(f"/proc/{cluster.status()['coordinator']['pid']}/cmdline").read_text()
+                            .split("\0")[3])
+        assert config["endpoints"] == [worker_port]
+        # Without a relay, a worker's death still reaches the coordinator, and the request resumes.
+        run = cluster.popen("run", PROMPT, "-n", "240")
+        assert run.stdout is not None
+        head = run.stdout.read(40)
+        os.kill(cluster.worker_pid("n0"), signal.SIGKILL)
+        rest, stderr = cluster.finish(run)
+        assert run.returncode == 0, stderr
+        assert head + rest == expected + "\n" and "recovering:" in stderr
+    finally:
+        cluster.cli("down", check=False)
+
+
+def sshd_connections(listener: int) -> list[int]:
+    """The sshd processes serving ``listener``'s connections, oldest first."""
+    children = Path(f"/proc/{listener}/task/{listener}/children").read_text().split()
+    return sorted(map(int, children), key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text()
+                                                          .rsplit(")", 1)[1].split()[19]))
+
+
+def test_a_dropped_rpc_connection_is_reopened_and_the_request_resumes(world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=1)
+    try:
+        cluster.cli("up")
+        expected = json.loads(cluster.cli("run", PROMPT, "-n", "240", "--json").stdout)["text"]
+        listener = world.servers[0].process.pid
+        # The controller's connection (commands, sampling) came first; the relays' own one for RPC after it.
+        control, rpc = sshd_connections(listener)[-2:]
+        run = cluster.popen("run", PROMPT, "-n", "240")
+        assert run.stdout is not None
+        head = run.stdout.read(40)
+        os.kill(rpc, signal.SIGKILL)
+        rest, stderr = cluster.finish(run)
+        assert run.returncode == 0, stderr
+        assert head + rest == expected + "\n" and "recovering:" in stderr
+        now = sshd_connections(listener)
+        assert control in now and rpc not in now and now[-1] != control  # reopened; the other one untouched
+        node = cluster.status()["nodes"][0]
+        assert node["restarts"] == 0 and node["state"] == "ready"  # the worker itself was never down
     finally:
         cluster.cli("down", check=False)
 
