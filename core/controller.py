@@ -302,8 +302,8 @@ class Controller:
         Relays run on the relays' uvloop thread. A local node's connects over TCP; an SSH node's opens each
         link as a channel on an SSH connection of its own (opened by the first link, on that loop), so RPC
         never waits for the controller's loop. A `transport: direct` node has none: the user opened the
-        worker's port to take the shortest path, and a relay would add a hop to every RPC message (~0.5 ms
-        per token for two nodes, bench/relay.py), so its traffic is not observed.
+        worker's port to take the shortest path, and a relay would add a hop to every RPC message (2-3% of
+        decode with two nodes, bench/relay.py), so its traffic is not observed.
         """
         if runtime.node.kind == "ssh" and runtime.node.transport == "direct":
             runtime.relayed = endpoint

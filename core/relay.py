@@ -37,8 +37,8 @@ MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is 
 # llama.cpp's client sends a request as three send() calls (command, size, payload) and, per token and node,
 # ~5 small SET_TENSORs (inputs, the previous node's activations) before the graph compute; none of them is
 # answered, and the worker can do nothing useful with them before the compute arrives. Passing each piece on
-# as it comes costs a write each and, to an SSH node, a sealed packet each (~14 per token on two nodes, now
-# ~4). Larger requests (tensor uploads while loading) stream as they come.
+# as it comes costs a write each and, to an SSH node, a sealed packet each (~22 per token on two nodes; now
+# ~3). Larger requests (tensor uploads while loading) stream as they come.
 WHOLE_FRAME = 64 << 10
 HEADER = struct.Struct("<BQ")
 SMOOTHING = 0.2        # weight of the newest compute time in the moving average
