@@ -11,7 +11,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,16 @@ def small_disk(mount: Path, size: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def run_with_fault(cluster: Cluster, prompt: str, tokens: str,
+                   fault: Callable[[], object]) -> tuple[subprocess.CompletedProcess[str], str, float]:
+    """Start a streamed run, inject ``fault`` once tokens flow, return (result, full stdout, seconds)."""
+    run = cluster.popen("run", prompt, "-n", tokens)
+    assert run.stdout is not None
+    head = run.stdout.read(40)  # tokens are streaming: the fault lands mid-generation
+    started = time.monotonic()
+    fault()
+    rest, stderr = cluster.finish(run)
+    return subprocess.CompletedProcess(run.args, run.returncode, head + rest, stderr), head + rest, \
+        time.monotonic() - started

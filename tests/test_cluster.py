@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import CLI, FIXTURES, Cluster, alive, listening
+from tests.harness import CLI, FIXTURES, Cluster, alive, listening, run_with_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -122,14 +122,11 @@ def test_second_up_changes_nothing(cluster3: Cluster) -> None:
 def test_killed_worker_mid_generation_resumes_with_identical_text(cluster3: Cluster) -> None:
     expected = json.loads(cluster3.cli("run", PROMPT, "-n", "480", "--json").stdout)["text"]
     victim = cluster3.worker_pid("n1")
-    run = cluster3.popen("run", PROMPT, "-n", "480")
-    assert run.stdout is not None
-    head = run.stdout.read(40)  # tokens are streaming: the fault lands mid-generation
-    subprocess.run(["kill", "-9", str(victim)], check=True)
-    rest, stderr = cluster3.finish(run)
-    assert run.returncode == 0, stderr
-    assert head + rest == expected + "\n"
-    assert stderr.count("recovering:") == 1 and "1 recovery" in stderr
+    result, text, _ = run_with_fault(cluster3, PROMPT, "480",
+                                     lambda: subprocess.run(["kill", "-9", str(victim)], check=True))
+    assert result.returncode == 0, result.stderr
+    assert text == expected + "\n"
+    assert result.stderr.count("recovering:") == 1 and "1 recovery" in result.stderr
     node = next(node for node in cluster3.status()["nodes"] if node["name"] == "n1")
     assert node["restarts"] == 1 and "SIGKILL" in node["last_status"]
     assert node["state"] == "ready" and cluster3.worker_pid("n1") != victim

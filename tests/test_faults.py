@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster
+from tests.harness import Cluster, run_with_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -39,18 +38,6 @@ def fault_free_text(cluster: Cluster) -> str:
     return json.loads(cluster.cli("run", PROMPT, "-n", TOKENS, "--json").stdout)["text"]
 
 
-def run_with_fault(cluster: Cluster, fault) -> tuple[subprocess.CompletedProcess[str], str, float]:
-    """Start a streamed run, inject ``fault`` once tokens flow, return (result, full stdout, seconds)."""
-    run = cluster.popen("run", PROMPT, "-n", TOKENS)
-    assert run.stdout is not None
-    head = run.stdout.read(40)  # tokens are streaming: the fault lands mid-generation
-    started = time.monotonic()
-    fault()
-    rest, stderr = cluster.finish(run)
-    return subprocess.CompletedProcess(run.args, run.returncode, head + rest, stderr), head + rest, \
-        time.monotonic() - started
-
-
 def node(cluster: Cluster, name: str) -> dict:
     return next(item for item in cluster.status()["nodes"] if item["name"] == name)
 
@@ -58,7 +45,7 @@ def node(cluster: Cluster, name: str) -> dict:
 def test_stopped_worker_is_found_by_the_watchdog_and_the_text_is_unchanged(cluster: Cluster) -> None:
     expected = fault_free_text(cluster)
     victim = cluster.worker_pid("n1")
-    result, text, seconds = run_with_fault(cluster, lambda: os.kill(victim, signal.SIGSTOP))
+    result, text, seconds = run_with_fault(cluster, PROMPT, TOKENS, lambda: os.kill(victim, signal.SIGSTOP))
     assert result.returncode == 0, result.stderr
     assert text == expected + "\n"
     assert "watchdog: no progress for 5s" in result.stderr and "worker n1 is stopped" in result.stderr
@@ -69,7 +56,7 @@ def test_stopped_worker_is_found_by_the_watchdog_and_the_text_is_unchanged(clust
 def test_killed_coordinator_resumes_with_the_same_text(cluster: Cluster) -> None:
     expected = fault_free_text(cluster)
     coordinator = cluster.status()["coordinator"]["pid"]
-    result, text, _ = run_with_fault(cluster, lambda: os.kill(coordinator, signal.SIGKILL))
+    result, text, _ = run_with_fault(cluster, PROMPT, TOKENS, lambda: os.kill(coordinator, signal.SIGKILL))
     assert result.returncode == 0, result.stderr
     assert text == expected + "\n"
     status = cluster.status()
@@ -94,7 +81,7 @@ def test_crash_loop_fails_the_node_and_the_rest_take_over(cluster: Cluster) -> N
                 time.sleep(0.01)
 
     try:
-        result, text, _ = run_with_fault(cluster, crash_on_every_start)
+        result, text, _ = run_with_fault(cluster, PROMPT, TOKENS, crash_on_every_start)
     finally:
         for sock in squatter:
             sock.close()
@@ -118,7 +105,7 @@ def test_lost_node_when_the_rest_cannot_hold_the_model_fails_clearly(short_tmp: 
             os.kill(supervisor, signal.SIGKILL)
             os.kill(worker, signal.SIGKILL)
 
-        result, _, seconds = run_with_fault(cluster, lose_the_node)
+        result, _, seconds = run_with_fault(cluster, PROMPT, TOKENS, lose_the_node)
         assert result.returncode == 1
         message = result.stderr.strip().splitlines()[-1]
         assert "n2 failed: its worker and supervisor are gone" in message

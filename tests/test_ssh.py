@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster, free_port, small_disk
+from tests.harness import Cluster, free_port, run_with_fault, small_disk
 from tests.sshd import SSHD, SshWorld, keygen
 from tests.test_cluster import PROMPT, single_process
 
@@ -353,13 +353,10 @@ def test_direct_transport_is_opt_in_and_warns(world: SshWorld, short_root: Path)
                             .split("\0")[3])
         assert config["endpoints"] == [worker_port]
         # Without a relay, a worker's death still reaches the coordinator, and the request resumes.
-        run = cluster.popen("run", PROMPT, "-n", "240")
-        assert run.stdout is not None
-        head = run.stdout.read(40)
-        os.kill(cluster.worker_pid("n0"), signal.SIGKILL)
-        rest, stderr = cluster.finish(run)
-        assert run.returncode == 0, stderr
-        assert head + rest == expected + "\n" and "recovering:" in stderr
+        result, text, _ = run_with_fault(cluster, PROMPT, "240",
+                                         lambda: os.kill(cluster.worker_pid("n0"), signal.SIGKILL))
+        assert result.returncode == 0, result.stderr
+        assert text == expected + "\n" and "recovering:" in result.stderr
     finally:
         cluster.cli("down", check=False)
 
@@ -379,13 +376,9 @@ def test_a_dropped_rpc_connection_is_reopened_and_the_request_resumes(world: Ssh
         listener = world.servers[0].process.pid
         # The controller's connection (commands, sampling) came first; the relays' own one for RPC after it.
         control, rpc = sshd_connections(listener)[-2:]
-        run = cluster.popen("run", PROMPT, "-n", "240")
-        assert run.stdout is not None
-        head = run.stdout.read(40)
-        os.kill(rpc, signal.SIGKILL)
-        rest, stderr = cluster.finish(run)
-        assert run.returncode == 0, stderr
-        assert head + rest == expected + "\n" and "recovering:" in stderr
+        result, text, _ = run_with_fault(cluster, PROMPT, "240", lambda: os.kill(rpc, signal.SIGKILL))
+        assert result.returncode == 0, result.stderr
+        assert text == expected + "\n" and "recovering:" in result.stderr
         now = sshd_connections(listener)
         assert control in now and rpc not in now and now[-1] != control  # reopened; the other one untouched
         node = cluster.status()["nodes"][0]
@@ -400,14 +393,10 @@ def test_killed_worker_on_an_ssh_node_resumes_with_identical_text(world: SshWorl
         cluster.cli("up")
         expected = json.loads(cluster.cli("run", PROMPT, "-n", "480", "--json").stdout)["text"]
         victim = cluster.worker_pid("n1")
-        run = cluster.popen("run", PROMPT, "-n", "480")
-        assert run.stdout is not None
-        head = run.stdout.read(40)
-        os.kill(victim, signal.SIGKILL)
-        rest, stderr = cluster.finish(run)
-        assert run.returncode == 0, stderr
-        assert head + rest == expected + "\n"
-        assert "recovering:" in stderr
+        result, text, _ = run_with_fault(cluster, PROMPT, "480", lambda: os.kill(victim, signal.SIGKILL))
+        assert result.returncode == 0, result.stderr
+        assert text == expected + "\n"
+        assert "recovering:" in result.stderr
         events = [event["kind"] for event in cluster.status()["events"]]
         assert "worker-exit" in events and "recovered" in events
     finally:
