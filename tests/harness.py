@@ -21,11 +21,22 @@ CLI = str(Path(sys.executable).with_name("ggml-cluster"))
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A TCP port nobody listens on right now, and never one this test run handed out before.
+
+    The kernel may offer a port again as soon as the probe closes it: two nodes of one test cluster (or a
+    node and the test's sshd) would then be given the same port.
+    """
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def alive(pid: int) -> bool:

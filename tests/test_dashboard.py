@@ -10,6 +10,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,10 +25,19 @@ PROMPT = "The cluster"
 class Screen:
     """A tmux session on its own server socket, 80x30, running one command."""
 
-    def __init__(self, command: str, env: dict[str, str]) -> None:
+    def __init__(self, command: str, env: dict[str, str], status: Path) -> None:
+        """``status`` receives the command's exit status once it exits.
+
+        tmux 3.3 sometimes never reaps a pane's process (it stays a zombie and the pane's dead status stays
+        empty), so the shell around the command writes the status down instead. That shell gets Ctrl-C too,
+        and goes on to write it: the command exits normally (130) rather than by the signal.
+        """
         self.socket = f"gct-{os.getpid()}-{time.monotonic_ns()}"  # a server of its own: no leftovers
         self.env = env
-        self.tmux("new-session", "-d", "-s", "dash", "-x", "80", "-y", "30", command)
+        self.status = status
+        status.unlink(missing_ok=True)  # from an earlier screen on the same cluster
+        wrapped = f"{command}; echo $? > {shlex.quote(str(status))}"
+        self.tmux("new-session", "-d", "-s", "dash", "-x", "80", "-y", "30", wrapped)
         self.tmux("set-option", "-t", "dash", "remain-on-exit", "on")
 
     def tmux(self, *args: str) -> str:
@@ -51,9 +61,9 @@ class Screen:
             time.sleep(0.05)
 
     def exited(self) -> int | None:
-        panes = self.tmux("list-panes", "-t", "dash", "-F", "#{pane_dead} #{pane_dead_status}")
-        dead, _, code = panes.strip().partition(" ")
-        return int(code) if dead == "1" and code.isdigit() else None  # tmux may mark it dead before the code
+        """The command's exit status, or None while it runs."""
+        code = self.status.read_text().strip() if self.status.exists() else ""
+        return int(code) if code.isdigit() else None  # None too while the shell is writing it
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, check=False, env=self.env)
@@ -68,7 +78,7 @@ def row(screen: str, node: str) -> list[str]:
 @pytest.fixture
 def dashboard(cluster3: Cluster) -> Iterator[Screen]:
     command = " ".join(shlex.quote(part) for part in [CLI, "-i", str(cluster3.inventory), "status"])
-    screen = Screen(command, {**cluster3.env(), "TERM": "xterm-256color"})
+    screen = Screen(command, {**cluster3.env(), "TERM": "xterm-256color"}, cluster3.root / "dashboard.status")
     yield screen
     screen.close()
 
