@@ -289,6 +289,10 @@ def main() -> int:
         print(f"  ggml-cluster {transport:<6} / llama-bench: decode {paired(transport, 'decode'):.3f} (goal >= {goal}; "
               f"rounds {rounds}), prompt {paired(transport, 'prompt'):.3f}, "
               f"first token time {paired(transport, 'ttft'):.2f}x")
+    # The transport's own cost, without llama-bench in the ratio (the two arms are 1/3 of a round apart).
+    relayed = statistics.median(ssh / direct for ssh, direct in zip(rates["ssh"]["decode"], rates["direct"]["decode"],
+                                                                    strict=True))
+    print(f"  ggml-cluster ssh    / ggml-cluster direct: decode {relayed:.3f}")
     print_loads("nodes on loopback", load_model, loads)
     if linked:
         print_loads(f"nodes across a {args.link} link", load_model, linked)
