@@ -270,10 +270,10 @@ def main() -> int:
     def median(arm: str, key: str) -> float:
         return statistics.median(rates[arm][key])
 
-    def paired(arm: str, key: str) -> float:
-        # Each round's ratio to llama-bench in that round, then their median: this machine's speed drifts by
+    def paired(arm: str, key: str, against: str = "llama-bench") -> float:
+        # Each round's ratio to ``against`` in that round, then their median: this machine's speed drifts by
         # more than the difference measured, and arms of one round run within a minute of each other.
-        return statistics.median(ours / bare for ours, bare in zip(rates[arm][key], rates["llama-bench"][key],
+        return statistics.median(ours / base for ours, base in zip(rates[arm][key], rates[against][key],
                                                                    strict=True))
 
     print(f"model {model.stat().st_size / 1e6:.0f} MB split 4/4 over the same two -t 1 workers; "
@@ -289,10 +289,8 @@ def main() -> int:
         print(f"  ggml-cluster {transport:<6} / llama-bench: decode {paired(transport, 'decode'):.3f} (goal >= {goal}; "
               f"rounds {rounds}), prompt {paired(transport, 'prompt'):.3f}, "
               f"first token time {paired(transport, 'ttft'):.2f}x")
-    # The transport's own cost, without llama-bench in the ratio (the two arms are 1/3 of a round apart).
-    relayed = statistics.median(ssh / direct for ssh, direct in zip(rates["ssh"]["decode"], rates["direct"]["decode"],
-                                                                    strict=True))
-    print(f"  ggml-cluster ssh    / ggml-cluster direct: decode {relayed:.3f}")
+    # The transport's own cost, without llama-bench in the ratio.
+    print(f"  ggml-cluster ssh    / ggml-cluster direct: decode {paired('ssh', 'decode', 'direct'):.3f}")
     print_loads("nodes on loopback", load_model, loads)
     if linked:
         print_loads(f"nodes across a {args.link} link", load_model, linked)
