@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.harness import Cluster
+from tests.test_cluster import single_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -89,3 +90,19 @@ def test_bad_requests_get_openai_error_bodies(cluster3: Cluster, api: openai.Ope
     with pytest.raises(urllib.error.HTTPError) as http:
         urllib.request.urlopen(request, timeout=10)
     assert http.value.code == 400 and "error" in json.loads(http.value.read())
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_next_request_whole(cluster3: Cluster,
+                                                                            api: openai.OpenAI) -> None:
+    model = json.loads((cluster3.state / "launch.json").read_text())["model"]
+    expected = single_process(model, "The capital of France is", 20)["text"]
+    for _ in range(2):
+        stream = api.completions.create(model="any", prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
+        for index, _chunk in enumerate(stream):
+            if index == 3:
+                break
+        stream.close()  # the client goes away mid-stream
+        whole = api.completions.create(model="any", prompt="The capital of France is", max_tokens=20,
+                                       temperature=0)
+        assert whole.choices[0].text == expected
+        assert whole.usage is not None and whole.usage.completion_tokens == 20

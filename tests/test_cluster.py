@@ -148,6 +148,21 @@ def test_interrupted_run_is_cancelled_and_frees_the_cluster(cluster3: Cluster) -
     assert any(event["kind"] == "cancelled" for event in events), events[-20:]
 
 
+def test_a_cancelled_run_leaves_the_next_run_its_whole_text(cluster3: Cluster) -> None:
+    """Ctrl-C cancels only its own request: the next one streams its whole greedy text."""
+    model = json.loads((cluster3.state / "launch.json").read_text())["model"]
+    expected = single_process(model, "The capital of France is", 20)
+    for _ in range(2):  # the second time, after the earlier request's cancel as well
+        run = cluster3.popen("run", PROMPT, "-n", "300")
+        assert run.stdout is not None
+        run.stdout.read(20)
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=30)
+        assert run.returncode == 130
+        result = json.loads(cluster3.cli("run", "The capital of France is", "-n", "20", "--json").stdout)
+        assert (result["text"], result["completion_tokens"]) == (expected["text"], 20)
+
+
 def test_killed_controller_is_replaced_and_workers_adopted(cluster3: Cluster) -> None:
     workers = {node: cluster3.worker_pid(node) for node in ("n0", "n1", "n2")}
     controller = int((cluster3.state / "controller.pid").read_text())
