@@ -101,6 +101,36 @@ def test_garbage_on_the_control_socket_is_answered_and_the_controller_serves_on(
     assert result["completion_tokens"] == 4
 
 
+@pytest.mark.parametrize("data", [
+    b'{"op": "fly"}\n', b"[1, 2]\n", b'{"op": "watch", "interval": "soon"}\n', b"x" * 300_000,
+    b'{"op": "run", "prompt": {"a": 1}}\n', b'{"op": "run", "prompt": "hi", "max_tokens": 1e300}\n',
+    b'{"op": "run", "prompt": "hi", "max_tokens": 20000000}\n',
+])
+def test_every_error_on_the_control_socket_has_one_shape(cluster2: Cluster, data: bytes) -> None:
+    answer = json.loads(control(cluster2, data))
+    assert answer["event"] == "error" and set(answer) == {"event", "message", "exit_code"}
+    assert answer["exit_code"] == 2 and "\n" not in answer["message"]
+
+
+def test_a_run_longer_than_the_context_is_refused_in_one_line(cluster2: Cluster) -> None:
+    result = cluster2.cli("run", PROMPT, "-n", "20000000", check=False)
+    assert result.returncode == 2
+    message = result.stderr.strip()
+    assert "\n" not in message and "max_tokens" in message and "512" in message, message
+
+
+def test_watch_with_no_interval_does_not_spin_the_controller(cluster2: Cluster) -> None:
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.connect(str(cluster2.state / "control.sock"))
+        connection.sendall(b'{"op": "watch", "interval": 0}\n')
+        connection.settimeout(0.2)
+        snapshots, deadline = b"", time.monotonic() + 2
+        with contextlib.suppress(TimeoutError):
+            while time.monotonic() < deadline:
+                snapshots += connection.recv(1 << 20)
+    assert 1 <= snapshots.count(b"\n") <= 30  # at most ~10 a second, not as fast as the loop goes
+
+
 @pytest.mark.parametrize("request_", [
     {"prompt": 5}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "max_tokens": True},
     {"prompt": "a", "max_tokens": 2.5}, {"prompt": "a", "temperature": "hot"}, {"prompt": "a", "temperature": -1},
