@@ -220,8 +220,6 @@ def run(
                 sys.stdout.flush()
             elif kind == "notice":
                 err.print(f"\n[yellow]notice:[/yellow] {event['message']}", highlight=False, soft_wrap=True)
-            elif kind == "error":
-                raise ClusterError(str(event.get("message")))
             elif kind == "done":
                 return event
         raise ClusterError("the controller closed the stream before the run finished")

@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import ClusterError, PromptError
+from core.service import GenerateRequest
 from core.status import CoordinatorState, NodeState
 
 if TYPE_CHECKING:
@@ -150,8 +151,7 @@ class _Api:
         prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
         if len(prompts) != 1:
             return _fail(400, "send one prompt per request", "invalid_request_error", "prompt")
-        job = {"prompt": prompts[0], **self._sampling(parsed, default_max=16)}
-        return await self._serve(request, parsed, job, chat=False)
+        return await self._serve(request, parsed, {"prompt": prompts[0], **self._sampling(parsed, 16)}, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         parsed = await _parse(request, ChatRequest)
@@ -165,8 +165,12 @@ class _Api:
         limit = parsed.max_completion_tokens or parsed.max_tokens or default_max or self.controller.inventory.context
         return {"max_tokens": limit, "temperature": parsed.temperature, "seed": parsed.seed}
 
-    async def _serve(self, request: web.Request, parsed: _Request, job: dict[str, Any],
+    async def _serve(self, request: web.Request, parsed: _Request, fields: dict[str, Any],
                      chat: bool) -> web.StreamResponse:
+        try:
+            job = GenerateRequest.parse(fields, self.controller.inventory.context)
+        except PromptError as exc:
+            return _fail(400, str(exc), "invalid_request_error", exc.field)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if parsed.stream:
@@ -194,7 +198,7 @@ class _Api:
             "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.model_id, "choices": [choice], "usage": _usage(done)})
 
-    async def _stream(self, request: web.Request, job: dict[str, Any], chat: bool, ident: str,
+    async def _stream(self, request: web.Request, job: GenerateRequest, chat: bool, ident: str,
                       created: int) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         kind = "chat.completion.chunk" if chat else "text_completion"

@@ -21,7 +21,7 @@ from typing import Any
 from core import worker
 from core.build import TARGET, Progress, cache_dir, cached_worker, decide_deployment, node_root, worker_binary
 from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, read_launch, worker_dir
-from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError
+from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError, PromptError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
 from core.planner import (
@@ -52,7 +52,7 @@ def state_for(inventory: Inventory) -> StateDir:
 
 
 async def exchange(state: StateDir, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """Send one request to the controller and yield its answers."""
+    """Send one request to the controller and yield its answers; an error answer raises it as ClusterError."""
     try:
         reader, writer = await asyncio.open_unix_connection(str(state.socket), limit=LINE_LIMIT)
     except (FileNotFoundError, ConnectionRefusedError):
@@ -62,7 +62,11 @@ async def exchange(state: StateDir, message: dict[str, Any]) -> AsyncIterator[di
         writer.write((json.dumps(message) + "\n").encode())
         await writer.drain()
         async for line in reader:
-            yield json.loads(line)
+            answer = json.loads(line)
+            if answer.get("event") == "error":
+                error = PromptError if answer.get("exit_code") == PromptError.exit_code else ClusterError
+                raise error(str(answer.get("message")))
+            yield answer
     finally:
         writer.close()
         with contextlib.suppress(ConnectionError, OSError):
@@ -88,10 +92,10 @@ async def watch(state: StateDir, interval: float = 1.0) -> AsyncIterator[Cluster
 
 
 async def run(state: StateDir, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """Stream a generation: ``token`` and ``notice`` events, then ``done`` (or ``error``)."""
+    """Stream a generation: ``token`` and ``notice`` events, then ``done``; a failure raises ClusterError."""
     async for answer in exchange(state, {"op": "run", **request}):
         yield answer
-        if answer.get("event") in ("done", "error"):
+        if answer.get("event") == "done":
             return
 
 
@@ -461,6 +465,4 @@ async def explain_plan(inventory: Inventory, strategy: str, objective: str | Non
 
 async def reprofile(inventory: Inventory) -> None:
     """`profile`: measure every node again, re-plan and restart the coordinator (between requests)."""
-    answer = await ask(state_for(inventory), {"op": "profile"})
-    if answer.get("error"):
-        raise ClusterError(str(answer["error"]))
+    await ask(state_for(inventory), {"op": "profile"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ from core.profile import ProfileCache, Profiles, Target, measure, model_fingerpr
 from core.relay import Link, Relay, RelayHost
 from core.remote import Remote, SshRemote, remote_for, shell_command
 from core.rpc import Version, probe_worker
+from core.service import GenerateRequest
 from core.state import StateDir
 from core.status import (
     ClusterStatus,
@@ -194,6 +196,8 @@ class Controller:
         self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._coordinator_ready = asyncio.Event()
         self._request_lock = asyncio.Lock()
+        # Every attempt of every request gets its own id: a cancel then reaches only the attempt it names.
+        self._attempt_ids = itertools.count(1)
         self._changed = asyncio.Event()  # set and replaced on every change
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -747,7 +751,7 @@ class Controller:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    async def generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def generate(self, request: GenerateRequest, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
         self.requests_waiting += 1
         self.notify()
@@ -757,7 +761,7 @@ class Controller:
             self.requests_waiting -= 1
             self.notify()
 
-    async def _generate(self, request: dict[str, Any], send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def _generate(self, request: GenerateRequest, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         async with self._request_lock:
             progress = self._current = _Progress()
             try:
@@ -765,12 +769,11 @@ class Controller:
             finally:
                 self._current = None
 
-    async def _resume_until_done(self, request: dict[str, Any], progress: _Progress,
+    async def _resume_until_done(self, request: GenerateRequest, progress: _Progress,
                                  send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        rid = 0
         while True:
             await self._await_coordinator(progress.recoveries)
-            rid += 1
+            rid = next(self._attempt_ids)
             process, messages = self._process, self._messages
             if process is None or process.stdin is None:
                 continue
@@ -784,19 +787,16 @@ class Controller:
                 raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; last: {cause}")
             await send({"event": "notice", "message": f"recovering: {cause}; resuming"})
 
-    async def _attempt(self, request: dict[str, Any], progress: _Progress, rid: int, *,
+    async def _attempt(self, request: GenerateRequest, progress: _Progress, rid: int, *,
                        process: asyncio.subprocess.Process, messages: asyncio.Queue[dict[str, Any]],
                        send: Callable[[dict[str, Any]], Awaitable[None]]) -> str | None:
         """Run the request on this coordinator: None once it is done, else why the coordinator was lost."""
-        message: dict[str, Any] = {
-            "op": "generate", "id": rid, "max_tokens": int(request.get("max_tokens", 128)),
-            "temperature": float(request.get("temperature", 0.0)), "seed": request.get("seed"),
-            "replay": progress.generated}
-        if progress.prompt_tokens is None and request.get("messages"):
-            message["messages"] = request["messages"]  # rendered with the model's chat template, there
-        elif progress.prompt_tokens is None:
-            message["prompt"] = str(request.get("prompt", ""))
-        else:
+        message: dict[str, Any] = {"op": "generate", "id": rid, **request.to_dict(), "replay": progress.generated}
+        if progress.prompt_tokens is not None:
+            # The prompt as first tokenised (a chat as first rendered with the model's template): a resumed
+            # request must continue exactly the tokens it started from.
+            message.pop("prompt", None)
+            message.pop("messages", None)
             message["prompt_tokens"] = progress.prompt_tokens
         self.coordinator.state = CoordinatorState.GENERATING
         self.notify()
@@ -963,30 +963,12 @@ def peer_uid(connection: socket.socket) -> int | None:
     return int(struct.unpack("3i", credentials)[1])
 
 
-def checked_request(request: dict[str, Any]) -> dict[str, Any]:
-    """A `run` request whose fields have the types the coordinator expects; ValueError names a bad one.
+def error_answer(message: str, exit_code: int = 1) -> dict[str, Any]:
+    """The one shape of every error the control socket answers (``exit_code``: what the CLI exits with)."""
+    return {"event": "error", "message": " ".join(message.split()), "exit_code": exit_code}
 
-    The control socket takes JSON from any process of this user: a wrong type must be an answer, not a
-    coordinator that crashes on every resume until the request gives up.
-    """
-    def number(value: object) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool)
 
-    prompt, messages = request.get("prompt", ""), request.get("messages")
-    if not isinstance(prompt, str):
-        raise ValueError("'prompt' must be text")
-    if messages is not None and not (isinstance(messages, list) and all(
-            isinstance(message, dict) and all(isinstance(key, str) for key in message) for message in messages)):
-        raise ValueError("'messages' must be a list of objects")
-    max_tokens = request.get("max_tokens", 128)
-    if not (number(max_tokens) and 1 <= max_tokens <= 1 << 24 and max_tokens == int(max_tokens)):
-        raise ValueError("'max_tokens' must be a whole number from 1")
-    temperature, seed = request.get("temperature", 0.0), request.get("seed")
-    if not (number(temperature) and 0.0 <= temperature <= 100.0):
-        raise ValueError("'temperature' must be a number from 0")
-    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
-        raise ValueError("'seed' must be a whole number")
-    return {**request, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": float(temperature)}
+WATCH_MIN_INTERVAL_S = 0.1  # a watcher asking for less would have the controller send snapshots flat out
 
 
 async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
@@ -1004,40 +986,45 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
         if uid is not None and uid != os.getuid():
             controller.record("refused", f"refused a control connection from uid {uid} (only uid {os.getuid()} "
                               f"may control this cluster)")
-            await send({"error": "this cluster belongs to another user"})
+            await send(error_answer("this cluster belongs to another user"))
             return
         line = await reader.readline()
-        request = json.loads(line) if line else {}
+        if not line:
+            return
+        request = json.loads(line)
         op = request.get("op") if isinstance(request, dict) else None
         if op == "ping":
             await send({"ok": True, "pid": os.getpid(), "inventory": controller.state.fingerprint()})
         elif op == "status":
             await send(controller.snapshot().to_dict())
         elif op == "watch":
-            interval = float(request.get("interval", 1.0))
+            interval = request.get("interval", 1.0)
+            if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval >= 0:
+                raise ValueError("'interval' must be a number of seconds")
+            interval = max(float(interval), WATCH_MIN_INTERVAL_S)
             while not controller.finished.is_set():
                 await send(controller.snapshot().to_dict())
                 await controller.wait_change(interval)
         elif op == "run":
-            try:
-                await controller.generate(checked_request(request), send)
-            except ClusterError as exc:
-                await send({"event": "error", "message": str(exc)})
+            await controller.generate(GenerateRequest.parse(request, controller.inventory.context), send)
         elif op == "profile":
             await controller.reprofile()
-            ready = controller.coordinator.state == CoordinatorState.READY
-            await send({"ok": ready} if ready else {"error": f"the coordinator did not come back: "
-                                                            f"{controller.coordinator.last_error}"})
+            if controller.coordinator.state != CoordinatorState.READY:
+                raise ClusterError(f"the coordinator did not come back: {controller.coordinator.last_error}")
+            await send({"ok": True})
         elif op == "down":
             await controller.shutdown(stop_workers=not request.get("keep_workers", False))
             await send({"ok": True})
         else:
-            await send({"error": f"unknown op {op!r}"})
-    except (ConnectionError, json.JSONDecodeError, asyncio.IncompleteReadError):
+            await send(error_answer(f"bad request: unknown op {op!r}", 2))
+    except (ConnectionError, asyncio.IncompleteReadError):
         pass
-    except (ValueError, TypeError) as exc:  # a line over the reader's limit, or a field of the wrong type
+    except ClusterError as exc:
         with contextlib.suppress(ConnectionError):
-            await send({"error": f"bad request: {exc}"})
+            await send(error_answer(str(exc), exc.exit_code))
+    except (ValueError, TypeError) as exc:  # not JSON, a line over the reader's limit, a field of the wrong type
+        with contextlib.suppress(ConnectionError):
+            await send(error_answer(f"bad request: {exc}", 2))
     finally:
         writer.close()
         with contextlib.suppress(ConnectionError, OSError):

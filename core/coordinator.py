@@ -10,7 +10,8 @@ and only this process dies with it. Protocol, JSON lines:
 - answers (stdout): ``{"id", "event": "prompt", "tokens"}``, one ``{"id", "event": "token", "token",
   "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
 - ``{"op": "cancel", "id"}`` ends that request after the token in progress (``done`` with reason
-  ``cancelled``); ``{"op": "shutdown"}`` exits.
+  ``cancelled``), or before it starts if it is still queued; a cancel for any other id (a request already
+  done) is dropped, so it can never reach a later request; ``{"op": "shutdown"}`` exits.
 
 ``replay`` holds tokens generated before a restart: the prompt is evaluated as one batch and each
 replayed token one at a time, exactly as first decoded, so the KV cache and the output are bit-identical.
@@ -117,7 +118,7 @@ class Generator:
     def __init__(self, config: CoordinatorConfig) -> None:
         import llama_cpp
 
-        self.cancelled: set[object] = set()  # request ids; written by the stdin reader thread
+        self.requests = RequestIds()
         self._lib = llama_cpp
         self.llm = llama_cpp.Llama(
             model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
@@ -181,7 +182,7 @@ class Generator:
         prompt_done = time.perf_counter()
         generated, reason = 0, "length"
         while generated < budget:
-            if rid in self.cancelled:
+            if self.requests.cancelled(rid):
                 reason = "cancelled"
                 break
             token = choose_token(last_logits(self._lib, llm, self.n_vocab), temperature, rng)
@@ -201,6 +202,37 @@ class Generator:
                     "decode_s": finished - prompt_done})
 
 
+class RequestIds:
+    """Which requests are queued or running, and which of those were cancelled (shared by two threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[object] = set()
+        self._cancelled: set[object] = set()
+
+    def opened(self, rid: object) -> None:
+        """A request was queued."""
+        with self._lock:
+            self._open.add(rid)
+
+    def cancel(self, rid: object) -> None:
+        """Cancel a queued or running request; any other id is ignored (its request is done)."""
+        with self._lock:
+            if rid in self._open:
+                self._cancelled.add(rid)
+
+    def cancelled(self, rid: object) -> bool:
+        """Whether ``rid`` was cancelled."""
+        with self._lock:
+            return rid in self._cancelled
+
+    def closed(self, rid: object) -> None:
+        """A request is done: forget it."""
+        with self._lock:
+            self._open.discard(rid)
+            self._cancelled.discard(rid)
+
+
 def _read_requests(generator: Generator, requests: queue.Queue[dict[str, Any] | None], out: IO[str]) -> None:
     """Read stdin in its own thread, so that a cancel reaches a request while it generates."""
     for line in sys.stdin:
@@ -210,8 +242,10 @@ def _read_requests(generator: Generator, requests: queue.Queue[dict[str, Any] | 
             emit(out, {"event": "error", "message": "request is not JSON"})
             continue
         if request.get("op") == "cancel":
-            generator.cancelled.add(request.get("id"))
+            generator.requests.cancel(request.get("id"))
         else:
+            if request.get("op") == "generate":
+                generator.requests.opened(request.get("id"))
             requests.put(request)
     requests.put(None)
 
@@ -250,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 generator.generate(request, out)
             except (RuntimeError, ValueError) as exc:
                 emit(out, {"id": request.get("id"), "event": "error", "message": str(exc)})
+            finally:
+                generator.requests.closed(request.get("id"))
         elif request.get("op") == "shutdown":
             break
         else:

@@ -52,6 +52,10 @@ class PromptError(RequestError):
 
     exit_code = 2
 
+    def __init__(self, message: str, hint: str | None = None, field: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.field = field  # the request field at fault, when one is
+
 
 class ProfileError(ClusterError):
     """A node's speed could not be measured (the planner then falls back to memory shares)."""

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from core.controller import checked_request
 from tests.harness import Cluster, alive, listening, running_cluster
 from tests.test_cluster import PROMPT
 
@@ -74,7 +73,8 @@ def test_another_user_is_refused_even_when_the_permissions_let_it_in(cluster2: C
     finally:
         for path, mode in zip(opened, modes, strict=True):
             path.chmod(stat.S_IMODE(mode))
-    assert json.loads(result.stdout) == {"error": "this cluster belongs to another user"}
+    assert json.loads(result.stdout) == {"event": "error", "message": "this cluster belongs to another user",
+                                         "exit_code": 1}
     events = cluster2.status()["events"]
     assert any(event["kind"] == "refused" and "uid 65534" in event["message"] for event in events)
 
@@ -82,11 +82,11 @@ def test_another_user_is_refused_even_when_the_permissions_let_it_in(cluster2: C
 @pytest.mark.parametrize(("data", "expected"), [
     (b"x" * 300_000, b"bad request"),                                    # one line over the reader's limit
     (b"\xff\xfe\x00garbage\n", b"bad request"),                          # not UTF-8
-    (b"{not json\n", b""),                                               # closed without an answer
+    (b"{not json\n", b"bad request"),
     (b"[1, 2]\n", b"unknown op None"),
     (b'{"op": "watch", "interval": "soon"}\n', b"bad request"),
     (b'{"op": "run", "prompt": {"a": 1}}\n', b"'prompt' must be text"),
-    (b'{"op": "run", "prompt": "hi", "max_tokens": 1e300}\n', b"'max_tokens' must be a whole number"),
+    (b'{"op": "run", "prompt": "hi", "max_tokens": 1e300}\n', b"max_tokens 1e+300 is more than the context holds"),
     (b'{"op": "run", "messages": "hi"}\n', b"'messages' must be a list of objects"),
     (os.urandom(4096), None),
 ])
@@ -129,21 +129,6 @@ def test_watch_with_no_interval_does_not_spin_the_controller(cluster2: Cluster) 
             while time.monotonic() < deadline:
                 snapshots += connection.recv(1 << 20)
     assert 1 <= snapshots.count(b"\n") <= 30  # at most ~10 a second, not as fast as the loop goes
-
-
-@pytest.mark.parametrize("request_", [
-    {"prompt": 5}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "max_tokens": True},
-    {"prompt": "a", "max_tokens": 2.5}, {"prompt": "a", "temperature": "hot"}, {"prompt": "a", "temperature": -1},
-    {"prompt": "a", "seed": "x"}, {"messages": [1]}, {"messages": [{1: "a"}]},
-])
-def test_run_requests_of_the_wrong_shape_are_refused_by_name(request_: dict) -> None:
-    with pytest.raises(ValueError, match="must be"):
-        checked_request(request_)
-
-
-def test_a_good_run_request_passes_with_its_fields_normalised() -> None:
-    assert checked_request({"prompt": "a", "max_tokens": 8.0, "temperature": 1, "seed": -3}) == {
-        "prompt": "a", "max_tokens": 8, "temperature": 1.0, "seed": -3}
 
 
 def wait_for(condition, timeout: float = 120, what: str = "") -> None:
