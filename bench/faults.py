@@ -30,19 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core import client
 from core.build import worker_binary
 from core.coordinator import CoordinatorConfig
-from core.model import write_demo_model
 from core.state import StateDir
-from tests.harness import Cluster, listening
+from tests.harness import Cluster, big_model, listening
 
 PROMPT = "The cluster"
 WATCHDOG_S = 3
-
-
-def big_model(path: Path) -> Path:
-    """~180 MB of f16 llama weights: 8 layers, n_embd 1024 (the shape DESIGN.md measured)."""
-    if not path.exists():
-        write_demo_model(path, n_layers=8, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4)
-    return path
 
 
 def supervised_rate(cluster: Cluster, tokens: int) -> float:

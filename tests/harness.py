@@ -146,6 +146,21 @@ class Cluster:
         return [pid for pid in mine if pid != os.getpid() and alive(pid)]
 
 
+def big_model(path: Path | None = None) -> Path:
+    """~180 MB of f16 llama weights: 8 layers, n_embd 1024 (the shape DESIGN.md measured), written once into
+    the cache. A token takes tens of ms on two 1-thread workers, and a 512-token batch of prompt over a second."""
+    from core.build import cache_dir
+    from core.model import write_demo_model
+
+    path = path or cache_dir() / "models" / "bench-8x1024.gguf"
+    if not path.exists():
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        write_demo_model(partial, n_layers=8, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=4)
+        partial.replace(path)
+    return path
+
+
 def running_cluster(prefix: str, nodes: int) -> Iterator[Cluster]:
     """A local cluster of ``nodes`` workers on the demo model, up for as long as the generator runs."""
     root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))

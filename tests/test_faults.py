@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster, run_with_fault
+from tests.harness import Cluster, big_model, run_with_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -127,3 +129,66 @@ def test_lost_node_when_the_rest_cannot_hold_the_model_fails_clearly(short_tmp: 
     finally:
         cluster.cli("down", check=False)
     assert cluster.processes() == []
+
+
+# A prompt of 2,881 tokens: on the ~180 MB model and two 1-thread workers it takes ~7 s to evaluate, each batch
+# of 512 tokens over a second: several times a 1 s watchdog, and no batch is done within it.
+LONG_PROMPT = " ".join(["the cluster runs a model across the nodes and"] * 180)
+
+
+@pytest.fixture(scope="module")
+def slow_cluster() -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="gcl-", dir="/tmp"))
+    cluster = Cluster(root, nodes=2, context=4096, top=[f"model: {big_model()}", "watchdog: 1"])
+    cluster.cli("up")
+    yield cluster
+    cluster.cli("down", check=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def long_run(cluster: Cluster) -> dict:
+    return json.loads(cluster.cli("run", LONG_PROMPT, "-n", "8", "--json").stdout)
+
+
+def test_a_prompt_that_takes_several_watchdogs_to_evaluate_is_not_taken_for_a_hang(slow_cluster: Cluster) -> None:
+    result = long_run(slow_cluster)
+    assert result["prompt_tokens"] > 2800 and result["completion_tokens"] == 8
+    assert result["timings"]["prompt_s"] > 3, result["timings"]  # several times the 1 s watchdog
+    assert result["recoveries"] == []
+    events = [json.loads(line) for line in (slow_cluster.state / "events.jsonl").read_text().splitlines()]
+    assert not [event for event in events if event["kind"] == "watchdog"]
+
+
+def test_a_worker_stopped_during_a_long_prompt_is_found_within_the_watchdog_bound(slow_cluster: Cluster) -> None:
+    expected = long_run(slow_cluster)["text"]
+    victim = slow_cluster.worker_pid("n1")
+    run = slow_cluster.popen("run", LONG_PROMPT, "-n", "8")
+    time.sleep(2.0)  # well inside the ~7 s of prompt evaluation
+    stopped = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    rest, stderr = Cluster.finish(run)
+    assert run.returncode == 0, stderr
+    assert rest == expected + "\n"
+    assert "worker n1 is stopped" in stderr
+    events = [json.loads(line) for line in (slow_cluster.state / "events.jsonl").read_text().splitlines()]
+    found = [event["time"] for event in events if event["kind"] == "watchdog" and event["time"] > stopped]
+    assert found and found[0] - stopped < 1 + 3, found  # the bound, and a second's look at what still moves
+
+
+def test_a_coordinator_killed_while_workers_send_activations_never_kills_a_worker(short_tmp: Path) -> None:
+    """A worker writing to a coordinator that has gone gets EPIPE, not SIGPIPE: it serves the next one."""
+    cluster = Cluster(short_tmp, nodes=2, context=4096, top=[f"model: {big_model()}"])
+    try:
+        cluster.cli("up")
+        workers = {name: cluster.worker_pid(name) for name in ("n0", "n1")}
+        for _ in range(3):
+            coordinator = cluster.status()["coordinator"]["pid"]
+            run = cluster.popen("run", LONG_PROMPT, "-n", "8")
+            time.sleep(2.0)  # mid-prompt: 2 MB of activations cross each link per batch
+            os.kill(coordinator, signal.SIGKILL)
+            _, stderr = Cluster.finish(run)
+            assert run.returncode == 0, stderr
+        assert {name: cluster.worker_pid(name) for name in workers} == workers
+        assert [node["restarts"] for node in cluster.status()["nodes"]] == [0, 0]
+    finally:
+        cluster.cli("down", check=False)
