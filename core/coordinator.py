@@ -7,14 +7,16 @@ and only this process dies with it. Protocol, JSON lines:
 - request (stdin): ``{"op": "generate", "id", "prompt" | "messages" | "prompt_tokens", "max_tokens",
   "temperature", "seed", "replay": [token, ...]}``; ``messages`` (OpenAI chat messages) are rendered with
   the GGUF's chat template
-- answers (stdout): ``{"id", "event": "prompt", "tokens"}``, one ``{"id", "event": "token", "token",
-  "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
+- answers (stdout): ``{"id", "event": "prompt", "tokens"}``, ``{"id", "event": "progress", "phase": "prompt" |
+  "replay", "done", "total"}`` while the prompt and a replay are evaluated, one ``{"id", "event": "token",
+  "token", "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
 - ``{"op": "cancel", "id"}`` ends that request after the token in progress (``done`` with reason
   ``cancelled``), or before it starts if it is still queued; a cancel for any other id (a request already
   done) is dropped, so it can never reach a later request; ``{"op": "shutdown"}`` exits.
 
-``replay`` holds tokens generated before a restart: the prompt is evaluated as one batch and each
-replayed token one at a time, exactly as first decoded, so the KV cache and the output are bit-identical.
+``replay`` holds tokens generated before a restart: the prompt is evaluated in the same batches as the first
+time and each replayed token one at a time, exactly as first decoded, so the KV cache and the output are
+bit-identical. Progress lines let the controller tell a long prompt from a hung worker.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ TOP_P = 0.95
 # llama-cli all run that way). llama-cpp-python can only say on or off, and its default, off, builds a graph
 # of ~3 more ops per layer per token: measurably slower on small models.
 FLASH_ATTENTION = True
+PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
 
 
 @dataclass(frozen=True)
@@ -113,28 +116,37 @@ def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generato
 
 
 class Generator:
-    """Owns the loaded model and runs one request at a time."""
+    """Runs one request at a time on a loaded model."""
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, llm: Any, lib: Any, chat: Any = None) -> None:
+        """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: a formatter for
+        the model's chat template, or None."""
+        self.requests = RequestIds()
+        self.llm = llm
+        self._lib = lib
+        self.chat = chat
+        self.vocab = lib.llama_model_get_vocab(llm.model)
+        self.n_vocab = llm.n_vocab()
+
+    @classmethod
+    def load(cls, config: CoordinatorConfig) -> Generator:
+        """Load the model across the registered RPC devices."""
         import llama_cpp
 
-        self.requests = RequestIds()
-        self._lib = llama_cpp
-        self.llm = llama_cpp.Llama(
+        llm = llama_cpp.Llama(
             model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
             n_ctx=config.context, n_threads=config.threads, n_threads_batch=config.threads,
             flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
-        self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
-        self.n_vocab = self.llm.n_vocab()
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        self.chat: Any = None
+        template = llm.metadata.get("tokenizer.chat_template")
+        chat: Any = None
         if template:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-            model = self.llm._model  # the token texts the template writes, as llama-cpp-python's own handler does
-            bos, eos = self.llm.token_bos(), self.llm.token_eos()
-            self.chat = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos != -1 else "",
-                                            model.token_get_text(bos) if bos != -1 else "")
+            model = llm._model  # the token texts the template writes, as llama-cpp-python's own handler does
+            bos, eos = llm.token_bos(), llm.token_eos()
+            chat = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos != -1 else "",
+                                       model.token_get_text(bos) if bos != -1 else "")
+        return cls(llm, llama_cpp, chat)
 
     def prompt_tokens(self, request: dict[str, Any]) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -171,14 +183,26 @@ class Generator:
         emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
         rng = np.random.default_rng(seed % (1 << 64) if isinstance(seed, int) else None) if temperature > 0 else None
         started = time.perf_counter()
-        llm.reset()  # type: ignore[no-untyped-call]
-        llm.eval(prompt_tokens)
+        llm.reset()
+        # The batches Llama.eval itself would make (n_batch), one call each, so that progress shows between them.
+        batch = llm.n_batch
+        for start in range(0, len(prompt_tokens), batch):
+            llm.eval(prompt_tokens[start:start + batch])
+            emit(out, {"id": rid, "event": "progress", "phase": "prompt",
+                       "done": min(start + batch, len(prompt_tokens)), "total": len(prompt_tokens)})
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        for token in replay:
+        reported = time.perf_counter()
+        for index, token in enumerate(replay, 1):
             if rng is not None:
                 rng.random()  # the draw this token consumed when it was first sampled
             decoder.decode(llm.detokenize([token]))
             llm.eval([token])
+            if index == len(replay) or time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
+                emit(out, {"id": rid, "event": "progress", "phase": "replay", "done": index, "total": len(replay)})
+                reported = time.perf_counter()
+        # llama_decode may return while the last batch's graph still runs on the workers: the prompt is done
+        # when its logits can be read.
+        self._lib.llama_synchronize(llm.ctx)
         prompt_done = time.perf_counter()
         generated, reason = 0, "length"
         while generated < budget:
@@ -270,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         register_rpc_servers(config.endpoints)
-        generator = Generator(config)
+        generator = Generator.load(config)
     except (RuntimeError, ValueError, OSError) as exc:
         emit(out, {"event": "error", "message": f"cannot load the model: {exc}"})
         return 1

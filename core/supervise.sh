@@ -26,6 +26,9 @@ on_stop() {
     if [ -n "$sleeper" ]; then kill "$sleeper" 2>/dev/null; fi
 }
 trap on_stop TERM INT HUP
+# Ignored here, ignored in the worker (exec keeps it): a coordinator that dies while a worker writes its answer
+# (a watchdog kill, a crash) must cost the worker an EPIPE on that connection, not its life.
+trap '' PIPE
 
 finish() {
     emit "$1" "${2:-}"

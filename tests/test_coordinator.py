@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from core.coordinator import Generator, RequestIds
+from core.coordinator import Generator
 
 
 class FakeLlama:
@@ -71,11 +71,7 @@ class FakeLib:
 
 def generator(llm: FakeLlama) -> Generator:
     """A Generator over the fake model, as the coordinator builds one over a loaded model."""
-    made = Generator.__new__(Generator)
-    made.llm, made._lib, made.chat = llm, FakeLib(llm), None
-    made.vocab, made.n_vocab = None, llm.n_vocab()
-    made.requests = RequestIds()
-    return made
+    return Generator(llm, FakeLib(llm))
 
 
 def run(made: Generator, **request: Any) -> list[dict[str, Any]]:
