@@ -42,6 +42,7 @@ from core.errors import (
     WorkerError,
 )
 from core.inventory import BuildPath, Inventory, Node, parse_inventory
+from core.liveness import Reading, moved, process_cpu_seconds
 from core.metrics import MetricsServer, Sample, parse_sample, sample_command, serve_metrics, usage
 from core.model import ModelFacts, read_model
 from core.planner import (
@@ -78,6 +79,7 @@ PARALLEL_NODES = 16         # nodes connected, probed and deployed at once
 EVENT_MEMORY = 50
 GIL_SWITCH_S = 0.0002        # the GIL switch interval in the controller (see main)
 METRICS_INTERVAL_S = 2.0    # how often each worker's CPU, memory and GPU use is sampled on its node
+LIVENESS_WINDOW_S = 1.0     # a silent pipeline is looked at twice this far apart before it is called hung
 
 
 @dataclass(frozen=True)
@@ -541,13 +543,41 @@ class Controller:
         return [runtime for runtime, state in zip(planned, states, strict=True)
                 if state.stdout.strip().startswith("T")]
 
-    async def _watchdog_fired(self, generated: int) -> str:
-        """No progress within the bound: kill what is stuck, restart the coordinator; returns the cause."""
+    async def _reading(self) -> Reading:
+        """What the planned part of the pipeline has done so far (bytes relayed, CPU used)."""
+        planned = [runtime for runtime in self.nodes.values()
+                   if self.plan is not None and runtime.node.name in self.plan.used]
+        relayed = sum(runtime.relay.stats.bytes_to + runtime.relay.stats.bytes_from
+                      for runtime in planned if runtime.relay is not None)
+        process = self._process
+        coordinator = await asyncio.to_thread(process_cpu_seconds, process.pid) if process is not None else None
+        workers = await asyncio.gather(*(self._worker_cpu(runtime) for runtime in planned))
+        return Reading(relayed, coordinator, {runtime.node.name: cpu for runtime, cpu in zip(planned, workers,
+                                                                                               strict=True)})
+
+    async def _worker_cpu(self, runtime: NodeRuntime) -> float | None:
+        if runtime.spec is None:
+            return None
+        try:
+            result = await runtime.remote.run(sample_command(runtime.spec.workdir, "cpu"), timeout=10)
+        except ConnectError:
+            return None
+        sample = parse_sample(result.stdout)
+        return sample.cpu_s if sample is not None else None
+
+    async def _hung(self, waiting: str, messages: asyncio.Queue[dict[str, Any]]) -> str | None:
+        """The watchdog's bound passed in silence: None while the pipeline still works (a long prompt, a
+        replay, a slow link), else the cause, once what is stuck has been killed for recovery."""
         bound = self.inventory.watchdog
         stuck = await self._stopped_workers()
+        if not stuck:
+            before = await self._reading()
+            await asyncio.sleep(LIVENESS_WINDOW_S)
+            if not messages.empty() or moved(before, await self._reading()):
+                return None
         names = ", ".join(runtime.node.name for runtime in stuck)
-        cause = f"watchdog: no progress for {bound}s after {generated} tokens" + (
-            f"; worker {names} is stopped" if stuck else "; no stopped worker found")
+        cause = f"watchdog: no progress for {bound}s {waiting}" + (
+            f"; worker {names} is stopped" if stuck else "; nothing moved (no bytes, no CPU), no stopped worker found")
         self.record("watchdog", f"{cause}; killing {'it' if stuck else 'the coordinator'} and recovering")
         for runtime in stuck:
             await self._kill_worker(runtime)
@@ -809,7 +839,9 @@ class Controller:
                 async with asyncio.timeout(self.inventory.watchdog):  # no task per token, unlike wait_for
                     answer = await messages.get()
             except TimeoutError:
-                cause = await self._watchdog_fired(len(progress.generated))
+                cause = await self._hung(f"after {len(progress.generated)} tokens", messages)
+                if cause is None:
+                    continue
                 await _drain(messages, lambda answer: answer.get("event") == "exit", 10)
                 return cause
             kind = answer.get("event")
@@ -819,7 +851,12 @@ class Controller:
                 continue
             if kind == "prompt":
                 progress.prompt_tokens = list(answer["tokens"])
+            elif kind == "progress":
+                self.coordinator.progress = f"{answer.get('phase')} {answer.get('done')}/{answer.get('total')} tokens"
+                self.notify()
             elif kind == "token":
+                if self.coordinator.progress:
+                    self.coordinator.progress = ""
                 self._note_token(progress, answer)
                 try:
                     await send({"event": "token", "text": answer["text"]})
@@ -875,6 +912,7 @@ class Controller:
         self._set_ready()
 
     def _set_ready(self) -> None:
+        self.coordinator.progress = ""
         if self._process is not None:
             self.coordinator.state = CoordinatorState.READY
             self.notify()

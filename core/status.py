@@ -99,6 +99,7 @@ class CoordinatorStatus:
     pid: int | None = None
     restarts: int = 0
     last_error: str = ""
+    progress: str = ""  # what it is evaluating before the next token: a long prompt, a replay
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
