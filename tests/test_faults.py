@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,6 +66,67 @@ def test_killed_coordinator_resumes_with_the_same_text(cluster: Cluster) -> None
     assert status["coordinator"]["restarts"] == 1 and status["coordinator"]["pid"] != coordinator
     assert all(item["restarts"] == 0 for item in status["nodes"])
     assert status["recoveries"] == 1 and status["requests_in_flight"] == 0
+
+
+def coordinators(cluster: Cluster) -> list[int]:
+    """The live coordinator processes of this cluster's controller."""
+    controller = (cluster.state / "controller.pid").read_text().split()[0]
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            if (entry / "cmdline").read_bytes().find(b"core.coordinator") >= 0 and \
+                    stat.rpartition(")")[2].split()[1] == controller and stat.rpartition(")")[2].split()[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def next_coordinator(cluster: Cluster, old: int, timeout: float = 60) -> int:
+    """The pid of the coordinator that replaces ``old``, as soon as its process exists (it is loading)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fresh = [pid for pid in coordinators(cluster) if pid != old]
+        if fresh:
+            return fresh[0]
+        assert time.monotonic() < deadline, "no new coordinator was started"
+        time.sleep(0.005)
+
+
+def test_a_coordinator_killed_again_during_its_reload_is_restarted_once(cluster: Cluster) -> None:
+    expected = fault_free_text(cluster)
+    first = cluster.status()["coordinator"]["pid"]
+
+    def kill_twice() -> None:
+        os.kill(first, signal.SIGKILL)
+        os.kill(next_coordinator(cluster, first), signal.SIGKILL)  # while it loads the model
+
+    result, text, _ = run_with_fault(cluster, PROMPT, TOKENS, kill_twice)
+    assert result.returncode == 0, result.stderr
+    assert text == expected + "\n"
+    assert len(coordinators(cluster)) == 1
+    status = cluster.status()
+    assert status["coordinator"]["restarts"] == 2 and status["coordinator"]["state"] == "ready"
+    events = [json.loads(line) for line in (cluster.state / "events.jsonl").read_text().splitlines()]
+    assert sum(event["kind"] == "coordinator-exit" for event in events) == 2
+    assert not [event for event in events if event["kind"] == "coordinator-retry"]  # nothing killed twice
+    assert all(node["restarts"] == 0 for node in status["nodes"])
+
+
+def test_a_worker_stopped_during_a_model_load_is_found_and_the_request_resumes(cluster: Cluster) -> None:
+    expected = fault_free_text(cluster)
+    first, victim = cluster.status()["coordinator"]["pid"], cluster.worker_pid("n1")
+
+    def stop_a_worker_while_loading() -> None:
+        os.kill(first, signal.SIGKILL)
+        next_coordinator(cluster, first)
+        os.kill(victim, signal.SIGSTOP)
+
+    result, text, seconds = run_with_fault(cluster, PROMPT, TOKENS, stop_a_worker_while_loading)
+    assert result.returncode == 0, result.stderr
+    assert text == expected + "\n"
+    assert "worker n1 is stopped" in result.stderr and "loading" in result.stderr
+    assert seconds < WATCHDOG_S + 30
+    assert cluster.status()["coordinator"]["state"] == "ready" and len(coordinators(cluster)) == 1
 
 
 def test_crash_loop_fails_the_node_and_the_rest_take_over(cluster: Cluster) -> None:
