@@ -73,7 +73,14 @@ from core.status import (
 log = logging.getLogger("ggml-cluster.controller")
 
 READY_TIMEOUT_S = 60.0      # a started worker must answer HELLO within this
-RECOVERY_TIMEOUT_S = 120.0  # a request waits this long for the cluster to come back
+RECOVERY_TIMEOUT_S = 120.0  # a request waits at least this long for the cluster to come back
+LOAD_MIN_S = 60.0           # a model load may always take this long
+LOAD_SLACK = 4.0            # ... and this many times what the measured load rate predicts
+ASSUMED_LOAD_RATE = 10e6    # bytes/s before a load was measured: a slow link (a stall is the watchdog's)
+MAX_START_FAILURES = 5      # coordinator starts that fail within the recovery window before it counts as failed
+# Events a request waiting for the cluster to come back passes on to its client, as notices.
+RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-failed", "node-failed", "worker-hung",
+                              "node-reconnecting", "node-reconnected"})
 MAX_RECOVERIES = 5          # per request
 PARALLEL_NODES = 16         # nodes connected, probed and deployed at once
 EVENT_MEMORY = 50
@@ -99,6 +106,17 @@ class Launch:
     def from_dict(cls, data: dict[str, Any]) -> Launch:
         """Parse launch.json."""
         return cls(binary=data["binary"], model=data["model"], protocol=Version(*data["protocol"]))
+
+
+class CoordinatorLost(ClusterError):
+    """The coordinator exited, or hung and was killed, before it was ready."""
+
+
+def _exit_cause(code: int) -> str:
+    """Why a coordinator process ended, from its exit status."""
+    if code in (-6, 134):
+        return f"exit {code} (aborted: a worker connection was lost)"
+    return f"exit {code} ({worker.classify_exit(code if code >= 0 else 128 - code, '')})"
 
 
 def worker_dir(inventory: Inventory, node: Node, state: StateDir, remote: Remote) -> str:
@@ -185,7 +203,11 @@ class Controller:
         self._profile_cache = ProfileCache(cache_dir() / "profiles")
         self._model_id = model_fingerprint(Path(launch.model))
         self._reprofile = False  # set by `profile`: measure again before the next plan
-        self._replanning = False  # the coordinator is being restarted on purpose
+        self._restart = asyncio.Event()  # set: the coordinator's owner should start a fresh one (a new plan)
+        self._capacity = asyncio.Event()  # set: a node became ready, a failed plan may fit now
+        self._load_rate: float | None = None  # bytes/s of the fastest model load so far
+        self._loads = 0  # coordinators that finished loading
+        self._event_seq = 0  # events recorded so far
         self.started_at = time.time()
         self.requests_served = 0
         self.requests_waiting = 0  # in flight: generating, or queued behind the one that is
@@ -251,6 +273,7 @@ class Controller:
         """Log an event, keep it for `status`, and wake watchers."""
         event = Event(time=time.time(), kind=kind, message=message, node=node)
         self.events.append(event)
+        self._event_seq += 1
         with contextlib.suppress(OSError), self.state.events.open("a") as handle:
             handle.write(json.dumps(event.to_dict()) + "\n")
         log.info("%s%s: %s", f"[{node}] " if node else "", kind, message)
@@ -424,7 +447,7 @@ class Controller:
             self.record("worker-exit", f"worker exited after {event.ran_s}s: {cause}", name)
             if not self._request_lock.locked():
                 # Idle, the coordinator would only find out on the next request; reconnect it now.
-                self._spawn(self._replan_after_loss(name))
+                self._replan_after_loss(name)
         elif event.kind == "backoff":
             self.record("worker-restart", f"restarting the worker in {event.seconds}s", name)
         elif event.kind == "failed":
@@ -432,7 +455,7 @@ class Controller:
             status.state = NodeState.FAILED
             status.last_error = f"crash loop: {status.last_status}"
             self.record("node-failed", f"worker keeps exiting ({status.last_status}); node excluded", name)
-            self._spawn(self._replan_after_loss(name))
+            self._replan_after_loss(name)
 
     async def _probe_until_ready(self, runtime: NodeRuntime) -> None:
         status = runtime.status
@@ -457,6 +480,7 @@ class Controller:
             status.mem_total, status.mem_free = info.mem_total, info.mem_free
             status.state = NodeState.READY
             runtime.ready.set()
+            self._capacity.set()
             self.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
                         f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB", runtime.node.name)
             return
@@ -647,8 +671,12 @@ class Controller:
         self.state.plan.write_text(json.dumps(plan.to_dict(), indent=2))
         return plan
 
-    async def start_coordinator(self) -> None:
-        """Wait for the workers, plan, and start the coordinator; raises when it cannot load."""
+    async def _start_coordinator(self) -> None:
+        """Wait for the workers, plan, start the coordinator and wait until it has loaded the model.
+
+        Raises PlanError when the model cannot be placed, CoordinatorLost when the process exits or hangs
+        during the load (what is stuck is killed), ClusterError when it reports that it cannot load.
+        """
         self.coordinator.state = CoordinatorState.LOADING
         self.notify()
         usable = await self._verified_nodes()
@@ -673,26 +701,119 @@ class Controller:
         with self.state.coordinator_log.open("ab") as log_file:
             log_start = log_file.tell()
             # ggml's abort handler attaches gdb and prints a backtrace on stdout, our protocol channel.
-            self._process = await asyncio.create_subprocess_exec(
+            process = self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "core.coordinator", config.to_json(),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
                 cwd=str(Path(__file__).resolve().parent.parent), env={**os.environ, "GGML_NO_BACKTRACE": "1"})
-        self.coordinator.pid = self._process.pid
+        self.coordinator.pid = process.pid
         messages = self._messages = asyncio.Queue()
-        self._spawn(self._read_coordinator(self._process, messages))
-        message = await messages.get()
+        self._spawn(self._read_coordinator(process, messages))
+        message = await self._await_load(messages, started)
+        if message.get("event") == "exit":
+            raise CoordinatorLost(str(message.get("cause") or _exit_cause(int(message.get("code", -1)))))
         if message.get("event") != "ready":
-            self.coordinator.state = CoordinatorState.FAILED
-            reason = message.get("message") or f"exited with code {message.get('code')}"
-            self.coordinator.last_error = str(reason)
-            self.record("coordinator-failed", f"coordinator could not load the model: {reason}")
-            raise ClusterError(f"the coordinator could not load the model: {reason}",
+            await self._kill_coordinator()
+            raise ClusterError(f"the coordinator could not load the model: {message.get('message')}",
                                f"see {self.state.coordinator_log}")
+        load_s = time.monotonic() - started
+        self._load_rate = max(self._load_rate or 0.0, self.model.path.stat().st_size / max(load_s, 1e-3))
         self._check_assignment(plan, log_start)
         self.coordinator.state = CoordinatorState.READY
+        self.coordinator.last_error = ""
+        self._loads += 1
         self._coordinator_ready.set()
-        self.record("coordinator-ready", f"model loaded across {len(plan.used)} worker(s) in "
-                    f"{time.monotonic() - started:.1f}s")
+        self.record("coordinator-ready", f"model loaded across {len(plan.used)} worker(s) in {load_s:.1f}s")
+
+    def load_deadline(self) -> float:
+        """Seconds a model load may take: generous against the measured (or an assumed) load rate, since a stall
+        is caught sooner by the watchdog; a slow link or a large model must not be cut short."""
+        rate = self._load_rate or ASSUMED_LOAD_RATE
+        return max(LOAD_MIN_S, LOAD_SLACK * self.model.path.stat().st_size / rate)
+
+    def recovery_window(self) -> float:
+        """How long a request waits for the cluster to come back: never less than a model load."""
+        return max(RECOVERY_TIMEOUT_S, self.load_deadline() + READY_TIMEOUT_S)
+
+    async def _await_load(self, messages: asyncio.Queue[dict[str, Any]], started: float) -> dict[str, Any]:
+        """The coordinator's first message (ready or error), or its exit; a stalled or overlong load is killed
+        and reported as an exit."""
+        deadline = started + self.load_deadline()
+        while True:
+            try:
+                async with asyncio.timeout(max(0.0, min(self.inventory.watchdog, deadline - time.monotonic()))):
+                    return await messages.get()
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    cause = f"the model did not load within {self.load_deadline():.0f}s"
+                    self.record("watchdog", f"{cause}; killing the coordinator and recovering")
+                    await self._kill_coordinator()
+                else:
+                    found = await self._hung("while loading the model", messages)
+                    if found is None:
+                        continue
+                    cause = found
+                await _drain(messages, lambda answer: answer.get("event") == "exit", 10)
+                return {"event": "exit", "cause": cause}
+
+    async def _coordinator_loop(self) -> None:
+        """The one owner of the coordinator's life: starts it, restarts it when it exits or a restart is asked
+        for, and when the model cannot be placed, waits (FAILED) until the nodes change."""
+        failures: list[float] = []
+        while not self._stopping:
+            self._restart.clear()
+            try:
+                await self._start_coordinator()
+            except PlanError as exc:
+                self._coordinator_failed(f"cannot place the model: {exc}")
+                await self._await_capacity()
+                continue
+            except CoordinatorLost as exc:
+                if self._stopping:
+                    return
+                self._coordinator_exited(str(exc), loading=True)
+                continue
+            except ClusterError as exc:
+                now = time.monotonic()
+                failures = [when for when in failures if now - when < self.recovery_window()] + [now]
+                if len(failures) >= MAX_START_FAILURES:
+                    self._coordinator_failed(f"{exc} ({len(failures)} tries)")
+                    failures = []
+                    await self._await_capacity()
+                else:
+                    self.coordinator.last_error = str(exc)
+                    self.record("coordinator-failed", f"{exc}; trying again in {len(failures)}s")
+                    await asyncio.sleep(len(failures))
+                continue
+            failures = []
+            process = self._process
+            exited = asyncio.ensure_future(process.wait()) if process is not None else None
+            wanted = asyncio.ensure_future(self._restart.wait())
+            await asyncio.wait([task for task in (exited, wanted) if task is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+            wanted.cancel()
+            asked = self._restart.is_set()
+            await self._kill_coordinator()
+            while self._process is not None:  # until its reader has seen it go
+                await self.wait_change(0.1)
+            if not asked and not self._stopping and process is not None:
+                self._coordinator_exited(_exit_cause(process.returncode if process.returncode is not None else -1))
+
+    def _coordinator_exited(self, cause: str, loading: bool = False) -> None:
+        self.coordinator.restarts += 1
+        self.coordinator.last_error = cause
+        self.coordinator.state = CoordinatorState.LOADING
+        self.record("coordinator-exit", f"coordinator {'lost while loading the model' if loading else 'exited'}: "
+                    f"{cause}; restarting it")
+
+    def _coordinator_failed(self, reason: str) -> None:
+        self.coordinator.state = CoordinatorState.FAILED
+        self.coordinator.last_error = reason
+        self.record("coordinator-failed", f"{reason}; waiting for the nodes to change")
+
+    async def _await_capacity(self) -> None:
+        """Until a node becomes ready (or `up` asks for a retry): the plan may fit again."""
+        self._capacity.clear()
+        await self._capacity.wait()
 
     def _check_assignment(self, plan: Plan, log_start: int) -> None:
         """Compare llama.cpp's own layer placement (this coordinator's part of the log) with the plan."""
@@ -705,72 +826,40 @@ class Controller:
 
     async def _read_coordinator(self, process: asyncio.subprocess.Process,
                                 messages: asyncio.Queue[dict[str, Any]]) -> None:
-        """Pass one coordinator's lines to its own queue (a later coordinator has another)."""
-        if process.stdout is None:
-            return
-        async for raw in process.stdout:
-            try:
-                messages.put_nowait(json.loads(raw))
-            except json.JSONDecodeError:
-                log.warning("coordinator wrote a non-JSON line: %r", raw[:200])
+        """Pass one coordinator's lines to its own queue (a later coordinator has another), then its exit."""
+        if process.stdout is not None:
+            async for raw in process.stdout:
+                try:
+                    messages.put_nowait(json.loads(raw))
+                except json.JSONDecodeError:
+                    log.warning("coordinator wrote a non-JSON line: %r", raw[:200])
         code = await process.wait()
         messages.put_nowait({"event": "exit", "code": code})
         if process is self._process:
             self._process = None
             self._coordinator_ready.clear()
             self.coordinator.pid = None
-            if not self._stopping and not self._replanning:
-                self._spawn(self._on_coordinator_exit(code))
+            self.notify()
 
-    async def _on_coordinator_exit(self, code: int) -> None:
-        cause = "aborted: a worker connection was lost" if code in (-6, 134) else worker.classify_exit(
-            code if code >= 0 else 128 - code, "")
-        self.coordinator.restarts += 1
-        self.coordinator.last_error = f"exit {code} ({cause})"
-        self.coordinator.state = CoordinatorState.LOADING
-        self.record("coordinator-exit", f"coordinator exited with {code} ({cause}); restarting it")
-        await self._restart_coordinator()
-
-    async def _restart_coordinator(self) -> None:
-        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-        while not self._stopping and time.monotonic() < deadline:
-            try:
-                await self.start_coordinator()
-                return
-            except PlanError as exc:
-                self.coordinator.state = CoordinatorState.FAILED
-                self.coordinator.last_error = str(exc)
-                self.record("coordinator-failed", f"cannot re-plan: {exc}")
-                return
-            except ClusterError as exc:
-                self.record("coordinator-retry", f"restart failed: {exc}")
-                await self._kill_coordinator()
-                await asyncio.sleep(1.0)
-        if not self._stopping:
-            self.coordinator.state = CoordinatorState.FAILED
-            self.record("coordinator-failed", f"could not restart within {RECOVERY_TIMEOUT_S:g}s")
+    def restart_coordinator(self, reason: str) -> None:
+        """Ask the coordinator's owner for a fresh coordinator (a new plan); a running one is killed first."""
+        self.record("coordinator-restart", reason)
+        self._coordinator_ready.clear()
+        self._restart.set()
 
     async def reprofile(self) -> None:
         """Measure the nodes again, re-plan and restart the coordinator, between requests."""
         async with self._request_lock:
             self._reprofile = True
-            self._replanning = True
-            try:
-                self.record("replan", "measuring the nodes again and re-planning")
-                await self._kill_coordinator()
-                while self._process is not None:  # until its reader has seen it go
-                    await self.wait_change(0.1)
-                self._coordinator_ready.clear()
-                self.coordinator.state = CoordinatorState.LOADING
-                await self._restart_coordinator()
-            finally:
-                self._replanning = False
+            loads = self._loads
+            self.restart_coordinator("measuring the nodes again and re-planning")
+            while self._loads == loads and self.coordinator.state != CoordinatorState.FAILED:
+                await self.wait_change(0.5)
 
-    async def _replan_after_loss(self, name: str) -> None:
+    def _replan_after_loss(self, name: str) -> None:
         """The coordinator's connection to ``name`` is gone: restart it (on the survivors if ``name`` failed)."""
         if self.plan is not None and name in self.plan.used and self._process is not None:
-            self.record("coordinator-restart", f"its connection to {name} is gone; restarting it")
-            await self._kill_coordinator()
+            self.restart_coordinator(f"its connection to {name} is gone; restarting it")
 
     async def _kill_coordinator(self) -> None:
         process = self._process
@@ -802,7 +891,7 @@ class Controller:
     async def _resume_until_done(self, request: GenerateRequest, progress: _Progress,
                                  send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         while True:
-            await self._await_coordinator(progress.recoveries)
+            await self._await_coordinator(progress.recoveries, send)
             rid = next(self._attempt_ids)
             process, messages = self._process, self._messages
             if process is None or process.stdin is None:
@@ -917,8 +1006,12 @@ class Controller:
             self.coordinator.state = CoordinatorState.READY
             self.notify()
 
-    async def _await_coordinator(self, recoveries: list[dict[str, Any]]) -> None:
-        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    async def _await_coordinator(self, recoveries: list[dict[str, Any]],
+                                 send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """Until the coordinator is ready; meanwhile the client hears what the recovery runs into."""
+        window = self.recovery_window()
+        deadline = time.monotonic() + window
+        seen = self._event_seq
         while not self._coordinator_ready.is_set():
             if self.coordinator.state == CoordinatorState.FAILED:
                 failed = "; ".join(f"{r.node.name} failed: {r.status.last_error}" for r in self.nodes.values()
@@ -926,9 +1019,15 @@ class Controller:
                 raise RequestError(f"the cluster cannot serve ({failed or 'no node failed'}): "
                                    f"{self.coordinator.last_error}")
             if time.monotonic() > deadline:
-                raise RequestError(f"the cluster did not recover within {RECOVERY_TIMEOUT_S:g}s "
+                raise RequestError(f"the cluster did not recover within {window:.0f}s "
                                    f"({self.coordinator.last_error or 'coordinator not ready'})")
             await self.wait_change(0.5)
+            news = list(self.events)[max(0, len(self.events) - (self._event_seq - seen)):]
+            seen = self._event_seq
+            for event in news:
+                if event.kind in RECOVERY_NOTICES:
+                    await send({"event": "notice", "message": f"{event.node}: {event.message}" if event.node
+                                else event.message})
         if recoveries and "resumed_after_s" not in recoveries[-1]:
             recoveries[-1]["resumed_after_s"] = time.time() - recoveries[-1]["time"]
 
@@ -1083,16 +1182,7 @@ async def serve(state: StateDir) -> int:
     _serve_metrics(controller, loop)
     await _serve_api(controller)
     await controller.start_nodes()
-
-    async def first_start() -> None:
-        try:
-            await controller.start_coordinator()
-        except ClusterError as exc:
-            controller.coordinator.state = CoordinatorState.FAILED
-            controller.coordinator.last_error = str(exc)
-            controller.record("error", str(exc))
-
-    controller._spawn(first_start())
+    controller._spawn(controller._coordinator_loop())
     await controller.finished.wait()
     if controller.api is not None:
         await controller.api.close()
