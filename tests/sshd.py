@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -42,15 +44,31 @@ class Sshd:
             *([f"SetEnv PATH={self._path_without(root / 'bin', without)}"] if without else []), "",
         ]))
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
-        self.log = (root / "sshd.log").open("w")
+        self.log = (root / "sshd.log").open("a")
         inside = ["ip", "netns", "exec", namespace] if namespace else []  # `ip` execs sshd: same pid
-        self.process = subprocess.Popen([*inside, SSHD, "-D", "-e", "-f", str(config)], stdout=self.log,
-                                        stderr=subprocess.STDOUT)
+        self.command = [*inside, SSHD, "-D", "-e", "-f", str(config)]
+        self.start()
+
+    def start(self) -> None:
+        """Listen (again): the same port, host key and settings."""
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
-        while not listening(self.port, address):
+        while not listening(self.port, self.address):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sshd did not start: {(root / 'sshd.log').read_text()}")
+                raise RuntimeError(f"sshd did not start: {(self.root / 'sshd.log').read_text()}")
             time.sleep(0.05)
+
+    def connections(self) -> list[int]:
+        """The sshd processes that serve this server's open connections, oldest first."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        return sorted(map(int, children), key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text()
+                                                              .rsplit(")", 1)[1].split()[19]))
+
+    def drop_connections(self) -> None:
+        """Cut every open connection, as a network blip would (the processes they started live on)."""
+        for pid in self.connections():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     @staticmethod
     def _path_without(folder: Path, without: tuple[str, ...]) -> Path:
@@ -64,9 +82,15 @@ class Sshd:
     def known_hosts_line(self) -> str:
         return f"[{self.address}]:{self.port} {' '.join(self.host_public.split()[:2])}"
 
-    def stop(self) -> None:
+    def stop_listening(self) -> None:
+        """No new connections: the node is unreachable until `start` (open connections stay)."""
         self.process.terminate()
         self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
         self.log.close()
 
 

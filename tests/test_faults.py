@@ -193,6 +193,42 @@ def test_lost_node_when_the_rest_cannot_hold_the_model_fails_clearly(short_tmp: 
     assert cluster.processes() == []
 
 
+def test_a_cluster_that_lost_too_much_heals_when_the_node_comes_back(short_tmp: Path) -> None:
+    cluster = Cluster(short_tmp, nodes=3, top=[f"watchdog: {WATCHDOG_S}"], extra={i: [TIGHT] for i in range(3)})
+    squatter: socket.socket | None = None
+    try:
+        cluster.cli("up")
+        expected = json.loads(cluster.cli("run", PROMPT, "-n", "64", "--json").stdout)["text"]
+        controller = cluster.status()["controller_pid"]
+        supervisor, worker, port = cluster.supervisor_pid("n2"), cluster.worker_pid("n2"), cluster.ports[2]
+        os.kill(supervisor, signal.SIGKILL)  # the node is gone, and something else took its port
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while squatter is None:
+            with contextlib.suppress(OSError):
+                squatter = socket.create_server(("127.0.0.1", port))
+            assert time.monotonic() < deadline
+        assert cluster.cli("run", PROMPT, "-n", "8", check=False).returncode == 1  # the rest cannot hold it
+        waiting = cluster.cli("up", check=False)  # retries the failed node now, and says why it is not back
+        assert waiting.returncode == 1, waiting.stderr
+        assert "waiting for" in waiting.stderr and f"n2: node n2: port {port}" in waiting.stderr
+        assert cluster.status()["controller_pid"] == controller  # the cluster was left to go on trying
+        squatter.close()
+        squatter = None
+        deadline = time.monotonic() + 90
+        while cluster.status()["coordinator"]["state"] != "ready":  # healed by the node's own retries
+            assert time.monotonic() < deadline, cluster.status()["coordinator"]
+            time.sleep(0.5)
+        assert [node["state"] for node in cluster.status()["nodes"]] == ["ready"] * 3
+        assert json.loads(cluster.cli("run", PROMPT, "-n", "64", "--json").stdout)["text"] == expected
+        assert "already up" in cluster.cli("up").stderr
+    finally:
+        if squatter is not None:
+            squatter.close()
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
+
+
 # A prompt of 2,881 tokens: on the ~180 MB model and two 1-thread workers it takes ~7 s to evaluate, each batch
 # of 512 tokens over a second: several times a 1 s watchdog, and no batch is done within it.
 LONG_PROMPT = " ".join(["the cluster runs a model across the nodes and"] * 180)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster, free_port, run_with_fault, small_disk
+from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
 from tests.sshd import SSHD, SshWorld, keygen
 from tests.test_cluster import PROMPT, single_process
 
@@ -361,25 +361,17 @@ def test_direct_transport_is_opt_in_and_warns(world: SshWorld, short_root: Path)
         cluster.cli("down", check=False)
 
 
-def sshd_connections(listener: int) -> list[int]:
-    """The sshd processes serving ``listener``'s connections, oldest first."""
-    children = Path(f"/proc/{listener}/task/{listener}/children").read_text().split()
-    return sorted(map(int, children), key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text()
-                                                          .rsplit(")", 1)[1].split()[19]))
-
-
 def test_a_dropped_rpc_connection_is_reopened_and_the_request_resumes(world: SshWorld, short_root: Path) -> None:
     cluster = ssh_cluster(world, short_root, nodes=1)
     try:
         cluster.cli("up")
         expected = json.loads(cluster.cli("run", PROMPT, "-n", "240", "--json").stdout)["text"]
-        listener = world.servers[0].process.pid
         # The controller's connection (commands, sampling) came first; the relays' own one for RPC after it.
-        control, rpc = sshd_connections(listener)[-2:]
+        control, rpc = world.servers[0].connections()[-2:]
         result, text, _ = run_with_fault(cluster, PROMPT, "240", lambda: os.kill(rpc, signal.SIGKILL))
         assert result.returncode == 0, result.stderr
         assert text == expected + "\n" and "recovering:" in result.stderr
-        now = sshd_connections(listener)
+        now = world.servers[0].connections()
         assert control in now and rpc not in now and now[-1] != control  # reopened; the other one untouched
         node = cluster.status()["nodes"][0]
         assert node["restarts"] == 0 and node["state"] == "ready"  # the worker itself was never down
@@ -400,5 +392,63 @@ def test_killed_worker_on_an_ssh_node_resumes_with_identical_text(world: SshWorl
         events = [event["kind"] for event in cluster.status()["events"]]
         assert "worker-exit" in events and "recovered" in events
     finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
+
+
+def wait_for_node(cluster: Cluster, name: str, state: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        node = next(node for node in cluster.status()["nodes"] if node["name"] == name)
+        if node["state"] == state:
+            return node
+        assert time.monotonic() < deadline, f"{name} is {node['state']}, not {state}: {node['last_error']}"
+        time.sleep(0.2)
+
+
+def test_a_dropped_ssh_connection_is_reopened_and_the_running_worker_adopted(world: SshWorld,
+                                                                             short_root: Path) -> None:
+    node = world.extra_server(short_root / "blip", trusted=True)
+    cluster = ssh_cluster(world, short_root, nodes=2, overrides={1: {"port": str(node.port)}})
+    try:
+        cluster.cli("up")
+        expected = json.loads(cluster.cli("run", PROMPT, "-n", "480", "--json").stdout)["text"]
+        worker = cluster.worker_pid("n1")
+        result, text, _ = run_with_fault(cluster, PROMPT, "480", node.drop_connections)  # every one of them
+        assert result.returncode == 0, result.stderr
+        assert text == expected + "\n"
+        status = wait_for_node(cluster, "n1", "ready")
+        assert status["restarts"] == 0 and cluster.worker_pid("n1") == worker  # the worker was never touched
+        events = [event["kind"] for event in cluster.status()["events"]]
+        assert "node-reconnecting" in events and "node-reconnected" in events
+        assert json.loads(cluster.cli("run", PROMPT, "-n", "480", "--json").stdout)["text"] == expected
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
+
+
+def test_down_names_a_node_it_cannot_reach_and_the_worker_it_left_running(world: SshWorld,
+                                                                          short_root: Path) -> None:
+    node = world.extra_server(short_root / "gone", trusted=True)
+    cluster = ssh_cluster(world, short_root, nodes=2, overrides={1: {"port": str(node.port)}})
+    try:
+        cluster.cli("up")
+        worker = cluster.worker_pid("n1")
+        connections = node.connections()
+        node.stop_listening()
+        for pid in connections:  # and every connection cut: the machine is gone
+            os.kill(pid, signal.SIGKILL)
+        wait_for_node(cluster, "n1", "reconnecting")
+        down = cluster.cli("down", check=False)
+        assert down.returncode == 1, down.stderr
+        assert "n1" in down.stderr and "could not reach" in down.stderr
+        assert f"its worker (pid {worker}) may still be running" in down.stderr
+        assert alive(worker)
+        node.start()  # the node is back: the next `down` finishes the job
+        again = cluster.cli("down")
+        assert "stopped leftover workers: n1" in again.stderr
+    finally:
+        if node.process.poll() is not None:
+            node.start()
         cluster.cli("down", check=False)
     assert cluster.processes() == []
