@@ -122,7 +122,7 @@ def up(
             state = str(node.state)
             if seen.get(node.name) != state:
                 seen[node.name] = state
-                detail = f" ({node.last_error})" if node.state == NodeState.FAILED else ""
+                detail = f" ({node.last_error})" if node.left_out else ""
                 err.print(f"  {node.name}: {state}{detail}", highlight=False)
         coordinator = f"coordinator {snapshot.coordinator.state}"
         if seen.get("") != coordinator:
@@ -144,7 +144,7 @@ def up(
     elif result.adopted:
         err.print("a new controller adopted the workers that were still running (they were not restarted)")
     out.print(status_view(snapshot, events=0))
-    if any(node.kind != "local" or node.state == NodeState.FAILED for node in snapshot.nodes):
+    if any(node.kind != "local" or node.left_out for node in snapshot.nodes):
         out.print(deploy_table(snapshot))
     ready = sum(node.state == NodeState.READY for node in snapshot.nodes)
     failed = client.failed_nodes(snapshot)
@@ -316,6 +316,11 @@ def down(
     for line in result.unreachable:
         err.print(f"[yellow]warning:[/yellow] could not check for a leftover worker on {line}", highlight=False,
                   soft_wrap=True)
+    for line in result.left_running:
+        err.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
     kept = "; its workers are still running (the next `up` adopts them)" if keep_workers else ""
+    if result.left_running or result.unreachable:
+        err.print(f"cluster '{inventory.cluster}' is down but for what runs on the nodes named above")
+        raise typer.Exit(1)
     err.print(f"cluster '{inventory.cluster}' is down{kept}" if running or result.cleaned
               else f"cluster '{inventory.cluster}' was not running")

@@ -246,7 +246,7 @@ def deploy_table(status: ClusterStatus) -> Table:
     table.add_column("HOW / WHY", overflow="fold")
     for node in status.nodes:
         table.add_row(node.name, node.host, Text(str(node.state), style=STATE_STYLE[node.state]),
-                      node.backend or "-", node.last_error if node.state == NodeState.FAILED else node.detail or "-")
+                      node.backend or "-", node.last_error if node.left_out else node.detail or "-")
     return table
 
 

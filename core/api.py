@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import ClusterError, PromptError
 from core.service import GenerateRequest
-from core.status import CoordinatorState, NodeState
+from core.status import CoordinatorState
 
 if TYPE_CHECKING:
     from core.controller import Controller
@@ -136,7 +136,7 @@ class _Api:
             body["error"] = self.controller.coordinator.last_error
             body["failed_nodes"] = {runtime.node.name: runtime.status.last_error
                                     for runtime in self.controller.nodes.values()
-                                    if runtime.status.state == NodeState.FAILED}
+                                    if runtime.status.left_out}
         return web.json_response(body, status=200 if serving else 503)
 
     async def models(self, _: web.Request) -> web.Response:

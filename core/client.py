@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +154,8 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
         with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
             answer = await asyncio.wait_for(ask(state, {"op": "ping"}), 10)
         if answer is not None and answer.get("inventory") == wanted:
-            # Still starting (an earlier `up` was killed while it waited): wait for it as that `up` would have.
-            snapshot = await _wait_ready(state, None, on_status)
-            return UpResult(snapshot, already_up=True, restarted=False, adopted=False)
+            return UpResult(await _settle(state, on_status, on_build), already_up=True, restarted=False,
+                            adopted=False)
         if answer is not None:
             await shut_down(state)
             restarted = True
@@ -186,9 +185,31 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
     return UpResult(snapshot, already_up=False, restarted=restarted, adopted=adopted)
 
 
+async def _settle(state: StateDir, on_status: Callable[[ClusterStatus], None], on_build: Progress) -> ClusterStatus:
+    """`up` on a cluster that runs already: still starting (an earlier `up` was killed while it waited), wait as
+    that `up` would have; failed or short of nodes, have it try them again now and say what it still waits for.
+    The cluster is left running either way: it goes on trying those nodes by itself."""
+    snapshot = await status(state)
+    if snapshot.coordinator.state == CoordinatorState.FAILED or away_nodes(snapshot):
+        on_build(f"trying again: {'; '.join(away_nodes(snapshot)) or snapshot.coordinator.last_error}", None)
+        snapshot = ClusterStatus.from_dict(await ask(state, {"op": "retry"}))
+    if snapshot.coordinator.state == CoordinatorState.FAILED:
+        waiting = "; ".join(away_nodes(snapshot)) or "no node is away"
+        raise ClusterError(f"the cluster cannot serve yet: {snapshot.coordinator.last_error}; waiting for {waiting}",
+                           "it goes on trying those nodes by itself; `ggml-cluster status` follows it, "
+                           "`ggml-cluster up` tries again now")
+    return await _wait_ready(state, None, on_status)
+
+
 def failed_nodes(snapshot: ClusterStatus) -> list[str]:
     """``name: reason`` for every failed node."""
-    return [f"{node.name}: {node.last_error}" for node in snapshot.nodes if node.state == NodeState.FAILED]
+    return [f"{node.name}: {node.last_error}" for node in snapshot.nodes if node.left_out]
+
+
+def away_nodes(snapshot: ClusterStatus) -> list[str]:
+    """``name: reason`` for every node that is failed or unreachable."""
+    return [f"{node.name}: {node.last_error or node.state}" for node in snapshot.nodes
+            if node.left_out or node.state == NodeState.RECONNECTING]
 
 
 def _spawn_controller(state: StateDir) -> subprocess.Popen[bytes]:
@@ -236,6 +257,7 @@ class DownResult:
 
     cleaned: list[str]      # nodes whose workers outlived their controller and were stopped
     unreachable: list[str]  # ``name: reason`` for nodes that could not be checked
+    left_running: list[str] = field(default_factory=list)  # ``name: why`` for workers the controller could not stop
 
 
 async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
@@ -245,16 +267,18 @@ async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
     """
     pid = state.controller_pid()
     stopped_by_controller = False
+    left: list[str] = []
     if pid is not None:
         with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
             answer = await ask(state, {"op": "down", "keep_workers": keep_workers})
             stopped_by_controller = answer.get("ok") is True
+            left = [str(line) for line in answer.get("left_running") or []]
         if not await _wait_gone(pid, DOWN_TIMEOUT_S):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     # The controller stops what it started; without one, find the workers ourselves (unless they stay).
     settled = stopped_by_controller or keep_workers
-    result = DownResult([], []) if settled else await _stop_leftover_workers(state)
+    result = DownResult([], [], left) if settled else await _stop_leftover_workers(state)
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)
     return result
@@ -400,7 +424,7 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
               objective: str | None = None) -> tuple[Plan, list[PlanRow]]:
     """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part."""
     caps = {node.name: node.memory for node in inventory.nodes}
-    usable = [node for node in snapshot.nodes if node.state != NodeState.FAILED and node.mem_total]
+    usable = [node for node in snapshot.nodes if not node.left_out and node.mem_total]
     capacities = [NodeCapacity(node.name, node.mem_free, caps.get(node.name)) for node in usable]
     measured = snapshot_speeds(snapshot, usable, model, capacities)
     if strategy == "compute":

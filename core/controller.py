@@ -87,6 +87,12 @@ EVENT_MEMORY = 50
 GIL_SWITCH_S = 0.0002        # the GIL switch interval in the controller (see main)
 METRICS_INTERVAL_S = 2.0    # how often each worker's CPU, memory and GPU use is sampled on its node
 LIVENESS_WINDOW_S = 1.0     # a silent pipeline is looked at twice this far apart before it is called hung
+NODE_RETRY_MIN_S = 5.0      # a failed node is tried again after this, then twice as long each time ...
+NODE_RETRY_MAX_S = 60.0     # ... up to this
+RECONNECT_MAX_DELAY_S = 10.0  # between tries to reopen a lost connection
+# A node whose connection is gone is waited for this long (a network blip, a restarted sshd) before the cluster
+# re-plans without it; it is tried for as long as the controller runs, and used again once it is back.
+RECONNECT_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,14 @@ class NodeRuntime:
     endpoint: tuple[str, int] | None = None  # the worker, as this machine reaches it
     relay: Relay | None = None
     relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay, or the worker itself
+    task: asyncio.Future[None] | None = None  # the node's life (_run_node)
+    failed: asyncio.Event = field(default_factory=asyncio.Event)  # set: give up on this worker, try again later
+    retry: asyncio.Event = field(default_factory=asyncio.Event)   # set: try a failed or unreachable node now
+    attempts: int = 0                         # tries to bring it back after it failed
+    outcomes: int = 0                         # tries that ended: ready, failed, or a reconnect that did not work
+    offset: int = 0                           # bytes of the worker's events.jsonl handled so far
+    down_since: float | None = None           # when the connection to it was lost (monotonic)
+    sampling: bool = False
 
 
 class Controller:
@@ -208,6 +222,7 @@ class Controller:
         self._load_rate: float | None = None  # bytes/s of the fastest model load so far
         self._loads = 0  # coordinators that finished loading
         self._event_seq = 0  # events recorded so far
+        self._left_running: list[str] = []  # what `down` could not stop
         self.started_at = time.time()
         self.requests_served = 0
         self.requests_waiting = 0  # in flight: generating, or queued behind the one that is
@@ -299,31 +314,137 @@ class Controller:
     async def start_nodes(self) -> None:
         """Start or adopt every worker, then follow each node."""
         for runtime in self.nodes.values():
-            self._spawn(self._run_node(runtime))
+            runtime.task = asyncio.ensure_future(self._run_node(runtime))
 
     async def _run_node(self, runtime: NodeRuntime) -> None:
+        """A node's whole life: bring its worker up (or adopt it) and follow it; a lost SSH connection is
+        reopened, and a failed node is tried again with backoff for as long as the controller runs."""
+        backoff = NODE_RETRY_MIN_S
+        while not self._stopping:
+            runtime.failed.clear()
+            try:
+                await self._bring_up_node(runtime)
+                await self._watch_node(runtime)
+                backoff = NODE_RETRY_MIN_S
+            except ClusterError as exc:
+                self._fail_node(runtime, str(exc))
+            if self._stopping:
+                return
+            if runtime.status.state == NodeState.FAILED:
+                runtime.status.retry_at = time.time() + backoff
+                self.notify()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(runtime.retry.wait(), backoff)
+                runtime.retry.clear()
+                runtime.status.retry_at = None
+                backoff = min(backoff * 2, NODE_RETRY_MAX_S)
+                if not self._stopping:
+                    runtime.attempts += 1
+                    self.record("node-retry", f"trying the node again (attempt {runtime.attempts})",
+                                runtime.node.name)
+
+    async def _bring_up_node(self, runtime: NodeRuntime) -> None:
+        """Reach and deploy the node (once), then start its worker under supervision or adopt the running one."""
         name = runtime.node.name
         status = runtime.status
-        try:
-            spec = runtime.spec = await self._prepare(runtime)
-            offset = await self._events_size(spec, runtime.remote)
-            status.state = NodeState.STARTING
-            self.notify()
-            if await worker.running_supervisor(runtime.remote, spec) is None and await runtime.remote.port_open(
-                    runtime.node.rpc_port, spec.bind):
-                # Probing it would talk to somebody else's server as if it were ours.
-                raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
-                                  "use by another process", "fix: stop that process or set another rpc_port")
-            adopted = await worker.start(runtime.remote, spec)
-            self.record("worker", "adopted the running worker" if adopted else "worker started", name)
-            direct = runtime.node.kind == "ssh" and runtime.node.transport == "direct"
-            runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
-            await self._relay(runtime, runtime.endpoint)
-            self._spawn(self._probe_until_ready(runtime))
+        if runtime.spec is None:
+            runtime.spec = await self._prepare(runtime)
+        else:
+            await runtime.remote.connect()  # a retry: whatever the connection went through since
+        spec = runtime.spec
+        runtime.offset = await self._events_size(spec, runtime.remote)
+        status.state = NodeState.STARTING
+        self.notify()
+        if await worker.running_supervisor(runtime.remote, spec) is None and await runtime.remote.port_open(
+                runtime.node.rpc_port, spec.bind):
+            # Probing it would talk to somebody else's server as if it were ours.
+            raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
+                              "use by another process", "fix: stop that process or set another rpc_port")
+        adopted = await worker.start(runtime.remote, spec)
+        self.record("worker", "adopted the running worker" if adopted else "worker started", name)
+        await self._connect_worker(runtime)
+        if not runtime.sampling:
+            runtime.sampling = True
             self._spawn(self._sample(runtime))
-            await self._follow(runtime, offset)
-        except ClusterError as exc:
-            self._fail_node(runtime, str(exc))
+
+    async def _connect_worker(self, runtime: NodeRuntime) -> None:
+        """Reach the node's worker (again): the endpoint this machine probes it on, the relay, and readiness.
+
+        A worker the running coordinator uses is ready as it is: it serves one client at a time, so a probe
+        would hang behind the coordinator (and the coordinator would have died had the worker gone)."""
+        spec = runtime.spec
+        if spec is None:
+            return
+        direct = runtime.node.kind == "ssh" and runtime.node.transport == "direct"
+        runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
+        await self._relay(runtime, runtime.endpoint)
+        in_use = self._process is not None and self.plan is not None and runtime.node.name in self.plan.used
+        if in_use and runtime.status.pid is not None:
+            runtime.status.state = NodeState.READY
+            runtime.status.failures = 0
+            runtime.outcomes += 1
+            runtime.ready.set()
+            self.notify()
+        else:
+            runtime.status.state = NodeState.STARTING
+            runtime.ready.clear()
+            self._spawn(self._probe_until_ready(runtime))
+
+    async def _watch_node(self, runtime: NodeRuntime) -> None:
+        """Follow the worker's events until the node fails (or the controller stops); a follow that ends
+        means the connection to the node was lost: reconnect and carry on where it left off. Returns early
+        when the worker did not survive the lost connection: it is started afresh."""
+        while not self._stopping:
+            follow = asyncio.ensure_future(self._follow(runtime))
+            failed = asyncio.ensure_future(runtime.failed.wait())
+            await asyncio.wait([follow, failed], return_when=asyncio.FIRST_COMPLETED)
+            failed.cancel()
+            if not follow.done():
+                follow.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ClusterError):
+                    await follow
+                return  # failed: the node's life starts over after a backoff
+            with contextlib.suppress(ClusterError):
+                follow.result()
+            if self._stopping or runtime.failed.is_set() or not await self._reconnect(runtime):
+                return
+
+    async def _reconnect(self, runtime: NodeRuntime) -> bool:
+        """The connection to the node is gone (its worker may well be running): reopen it with backoff; False
+        when the worker is gone as well."""
+        name, status = runtime.node.name, runtime.status
+        lost = time.monotonic()
+        runtime.down_since = lost
+        status.state = NodeState.RECONNECTING
+        runtime.ready.clear()
+        self.record("node-reconnecting", f"lost the connection to {status.host}; reconnecting (its worker is "
+                    "left running)", name)
+        delay = 1.0
+        while not self._stopping:
+            try:
+                await runtime.remote.connect()
+                break
+            except ClusterError as exc:
+                status.last_error = str(exc)
+                runtime.outcomes += 1
+                self.notify()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(runtime.retry.wait(), delay)
+                runtime.retry.clear()
+                delay = min(delay * 2, RECONNECT_MAX_DELAY_S)
+        if self._stopping:
+            return False
+        runtime.down_since = None
+        spec = runtime.spec
+        current = await worker.running_supervisor(runtime.remote, spec) if spec is not None else None
+        if spec is not None and current is not None and current[1] == spec.command():
+            self.record("node-reconnected", f"reconnected after {time.monotonic() - lost:.1f}s; its worker "
+                        "ran on and was adopted", name)
+            await self._connect_worker(runtime)
+            return True
+        self.record("node-reconnected", f"reconnected after {time.monotonic() - lost:.1f}s; its worker is gone, "
+                    "starting a new one", name)
+        return False
 
     async def _relay(self, runtime: NodeRuntime, endpoint: tuple[str, int]) -> None:
         """The observing relay the coordinator reaches this worker through (started once per node).
@@ -415,11 +536,13 @@ class Controller:
         text = result.stdout.strip()
         return int(text) if text.isdigit() else 0
 
-    async def _follow(self, runtime: NodeRuntime, offset: int) -> None:
+    async def _follow(self, runtime: NodeRuntime) -> None:
+        """The supervisor's events from where the last follow left off, until the connection ends."""
         if runtime.spec is None:
             return
         path = shell_command([worker.event_path(runtime.spec)])
-        async for line in runtime.remote.follow(f"tail -c +{offset + 1} -F {path} 2>/dev/null"):
+        async for line in runtime.remote.follow(f"tail -c +{runtime.offset + 1} -F {path} 2>/dev/null"):
+            runtime.offset += len(line.encode()) + 1
             event = worker.parse_event(line)
             if event is not None and not self._stopping:
                 await self._on_worker_event(runtime, event)
@@ -451,10 +574,7 @@ class Controller:
         elif event.kind == "backoff":
             self.record("worker-restart", f"restarting the worker in {event.seconds}s", name)
         elif event.kind == "failed":
-            runtime.ready.clear()
-            status.state = NodeState.FAILED
-            status.last_error = f"crash loop: {status.last_status}"
-            self.record("node-failed", f"worker keeps exiting ({status.last_status}); node excluded", name)
+            self._fail_node(runtime, f"crash loop: {status.last_status}")
             self._replan_after_loss(name)
 
     async def _probe_until_ready(self, runtime: NodeRuntime) -> None:
@@ -479,22 +599,43 @@ class Controller:
                 continue
             status.mem_total, status.mem_free = info.mem_total, info.mem_free
             status.state = NodeState.READY
+            status.failures = 0
+            runtime.outcomes += 1
             runtime.ready.set()
             self._capacity.set()
             self.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
                         f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB", runtime.node.name)
+            if self.plan is not None and runtime.node.name not in self.plan.nodes and self._coordinator_ready.is_set():
+                self._spawn(self._replan_when_idle(runtime))
             return
+
+    async def _replan_when_idle(self, runtime: NodeRuntime) -> None:
+        """A node the plan left out is back: re-plan to use it, between requests."""
+        async with self._request_lock:
+            if (self.plan is None or runtime.node.name in self.plan.nodes or not runtime.ready.is_set()
+                    or not self._coordinator_ready.is_set()):
+                return
+            loads = self._loads
+            self.restart_coordinator(f"{runtime.node.name} is back; re-planning to use it")
+            while self._loads == loads and self.coordinator.state != CoordinatorState.FAILED:
+                await self.wait_change(0.5)
 
     def _fail_node(self, runtime: NodeRuntime, reason: str) -> None:
         runtime.ready.clear()
         runtime.status.state = NodeState.FAILED
         runtime.status.last_error = reason
-        self.record("node-failed", f"{reason}; node excluded", runtime.node.name)
+        runtime.status.failures += 1
+        runtime.outcomes += 1
+        runtime.failed.set()
+        self.record("node-failed", f"{reason}; node excluded, tried again later", runtime.node.name)
 
     # --- plan and coordinator ----------------------------------------------------------------------
 
     def _usable_nodes(self) -> list[NodeRuntime]:
-        return [runtime for runtime in self.nodes.values() if runtime.status.state != NodeState.FAILED]
+        """Nodes a plan may count on: not failed, and not unreachable for longer than a blip."""
+        now = time.monotonic()
+        return [runtime for runtime in self.nodes.values() if not runtime.status.left_out
+                and (runtime.down_since is None or now - runtime.down_since < RECONNECT_GRACE_S)]
 
     async def _wait_nodes(self, timeout: float) -> list[NodeRuntime]:
         """Wait until every usable node is ready; ``timeout`` runs from the last node done deploying."""
@@ -507,8 +648,9 @@ class Controller:
             if usable and all(runtime.ready.is_set() for runtime in usable):
                 return usable
             if not usable:
-                reasons = "; ".join(f"{r.node.name}: {r.status.last_error or 'failed'}" for r in self.nodes.values())
-                raise PlanError(f"every node has failed ({reasons})")
+                reasons = "; ".join(f"{r.node.name}: {r.status.last_error or r.status.state}"
+                                    for r in self.nodes.values())
+                raise PlanError(f"every node has failed or is unreachable ({reasons})")
             if time.monotonic() > deadline:
                 waiting = ", ".join(f"{r.node.name} ({r.status.state})" for r in usable if not r.ready.is_set())
                 raise WorkerError(f"workers not ready after {timeout:g}s: {waiting}")
@@ -533,7 +675,11 @@ class Controller:
             self._fail_node(runtime, str(exc))
             return False
         except ClusterError as exc:
-            if await worker.running_supervisor(runtime.remote, runtime.spec) is None:
+            try:
+                supervisor = await worker.running_supervisor(runtime.remote, runtime.spec)
+            except ConnectError:
+                return False  # the node's connection is down: it reconnects, and is waited for a while
+            if supervisor is None:
                 self._fail_node(runtime, f"its worker and supervisor are gone ({exc})")
                 return False
             if isinstance(exc, WorkerDown):
@@ -563,9 +709,9 @@ class Controller:
         planned = [runtime for runtime in self.nodes.values() if self.plan is not None
                    and runtime.node.name in self.plan.used and runtime.status.pid is not None]
         states = await asyncio.gather(*(runtime.remote.run(f"ps -o stat= -p {int(runtime.status.pid or 0)}")
-                                        for runtime in planned))
+                                        for runtime in planned), return_exceptions=True)
         return [runtime for runtime, state in zip(planned, states, strict=True)
-                if state.stdout.strip().startswith("T")]
+                if not isinstance(state, BaseException) and state.stdout.strip().startswith("T")]
 
     async def _reading(self) -> Reading:
         """What the planned part of the pipeline has done so far (bytes relayed, CPU used)."""
@@ -1015,7 +1161,7 @@ class Controller:
         while not self._coordinator_ready.is_set():
             if self.coordinator.state == CoordinatorState.FAILED:
                 failed = "; ".join(f"{r.node.name} failed: {r.status.last_error}" for r in self.nodes.values()
-                                   if r.status.state == NodeState.FAILED)
+                                   if r.status.left_out)
                 raise RequestError(f"the cluster cannot serve ({failed or 'no node failed'}): "
                                    f"{self.coordinator.last_error}")
             if time.monotonic() > deadline:
@@ -1033,12 +1179,17 @@ class Controller:
 
     # --- shutdown ----------------------------------------------------------------------------------
 
-    async def shutdown(self, stop_workers: bool = True) -> None:
-        """Stop the coordinator and (normally) every worker; then let the process exit."""
+    async def shutdown(self, stop_workers: bool = True) -> list[str]:
+        """Stop the coordinator and (normally) every worker; then let the process exit. Returns what could not
+        be stopped: ``node: why`` for each node that could not be reached, with the worker it left running."""
         if self._stopping:
-            return
+            await self.finished.wait()
+            return self._left_running
         self._stopping = True
         self.record("down", "stopping the cluster")
+        for runtime in self.nodes.values():
+            if runtime.task is not None:
+                runtime.task.cancel()
         process = self._process
         if process is not None and process.returncode is None:
             if process.stdin is not None:
@@ -1051,14 +1202,48 @@ class Controller:
                 process.kill()
                 await process.wait()
         if stop_workers:
-            await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values() if r.spec),
-                                 return_exceptions=True)
+            left = await asyncio.gather(*(self._stop_worker(r) for r in self.nodes.values() if r.spec))
+            self._left_running = [line for line in left if line]
+            for line in self._left_running:
+                self.record("down-incomplete", line)
         for rpc in self._rpc_remotes:
             await self._relays.run(rpc.close())
         await self._relays.close([runtime.relay for runtime in self.nodes.values() if runtime.relay])
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()
+        return self._left_running
+
+    async def _stop_worker(self, runtime: NodeRuntime) -> str | None:
+        """Stop a node's worker, reconnecting first if its connection was lost; why not, when it cannot."""
+        if runtime.spec is None:
+            return None
+        try:
+            if runtime.down_since is not None or runtime.status.state == NodeState.RECONNECTING:
+                await runtime.remote.connect()
+            await worker.stop(runtime.remote, runtime.spec)
+        except ClusterError as exc:
+            pid = f" (pid {runtime.status.pid})" if runtime.status.pid else ""
+            return (f"{runtime.node.name}: could not reach {runtime.status.host} ({exc}); its worker{pid} may still "
+                    "be running there: `ggml-cluster down` again stops it once the node is back")
+        return None
+
+    async def retry(self) -> None:
+        """`up` on a cluster that cannot serve all its nodes: try every failed or unreachable node now, and
+        re-plan; returns once each has had its try and the coordinator has settled (or the window ran out)."""
+        waiting = [runtime for runtime in self.nodes.values()
+                   if runtime.status.left_out or runtime.status.state == NodeState.RECONNECTING]
+        outcomes = {runtime.node.name: runtime.outcomes for runtime in waiting}
+        for runtime in waiting:
+            runtime.retry.set()
+        self._capacity.set()
+        deadline = time.monotonic() + self.recovery_window()
+        while time.monotonic() < deadline:
+            tried = all(runtime.outcomes > outcomes[runtime.node.name] for runtime in waiting)
+            if tried and self.coordinator.state in (CoordinatorState.READY, CoordinatorState.GENERATING,
+                                                    CoordinatorState.FAILED):
+                return
+            await self.wait_change(0.5)
 
 
 async def _drain(messages: asyncio.Queue[dict[str, Any]], until: Callable[[dict[str, Any]], bool],
@@ -1150,8 +1335,11 @@ async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
                 raise ClusterError(f"the coordinator did not come back: {controller.coordinator.last_error}")
             await send({"ok": True})
         elif op == "down":
-            await controller.shutdown(stop_workers=not request.get("keep_workers", False))
-            await send({"ok": True})
+            left = await controller.shutdown(stop_workers=not request.get("keep_workers", False))
+            await send({"ok": True, "left_running": left})
+        elif op == "retry":
+            await controller.retry()
+            await send(controller.snapshot().to_dict())
         else:
             await send(error_answer(f"bad request: unknown op {op!r}", 2))
     except (ConnectionError, asyncio.IncompleteReadError):

@@ -251,7 +251,9 @@ class SshRemote:
         return keys
 
     async def connect(self) -> None:
-        """Open the connection; every failure becomes one ConnectError that says what to fix."""
+        """Open the connection (again: a previous one and its forwards are closed first); every failure becomes
+        one ConnectError that says what to fix."""
+        await self.close()
         name = self.name
         if self.node.identity and not Path(self.node.identity).expanduser().is_file():
             raise ConnectError(f"node {name}: identity file {self.node.identity} does not exist",

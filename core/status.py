@@ -17,7 +17,8 @@ class NodeState(StrEnum):
     STARTING = "starting"      # process started, not yet answering HELLO
     READY = "ready"            # answered HELLO with the right protocol version
     RESTARTING = "restarting"  # exited; the supervisor is restarting it
-    FAILED = "failed"          # crash loop or unrecoverable error; excluded
+    RECONNECTING = "reconnecting"  # the connection to its node was lost; its worker may run on
+    FAILED = "failed"          # crash loop or unrecoverable error; excluded, tried again later (retry_at)
     STOPPED = "stopped"
 
 
@@ -63,6 +64,8 @@ class NodeStatus:
     pid: int | None = None
     last_status: str = ""
     last_error: str = ""
+    failures: int = 0               # failed tries in a row (0 once ready again)
+    retry_at: float | None = None   # when a failed node is tried again (epoch seconds)
     detail: str = ""                # backend choice and how the worker got there
     progress: float | None = None   # of the current deployment step, 0..1
     fixed_ms: float | None = None     # measured cost per token of using this node at all
@@ -81,6 +84,11 @@ class NodeStatus:
     gpu_percent: float | None = None  # GPU busy, mean over the node's GPUs (GPU backends only)
     gpu_mem_used: int | None = None   # GPU memory in use on the node, bytes
     gpu_mem_total: int | None = None
+
+    @property
+    def left_out(self) -> bool:
+        """Failed, or being tried again after failing: no plan counts on it until it is ready again."""
+        return self.state == NodeState.FAILED or (self.failures > 0 and self.state != NodeState.READY)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

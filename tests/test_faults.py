@@ -152,7 +152,7 @@ def test_crash_loop_fails_the_node_and_the_rest_take_over(cluster: Cluster) -> N
     assert result.returncode == 0, result.stderr
     assert text == expected + "\n"
     failed = node(cluster, "n2")
-    assert failed["state"] == "failed" and failed["layers"] is None
+    assert failed["failures"] >= 1 and failed["layers"] is None
     assert "crash loop" in failed["last_error"] and "port already in use" in failed["last_error"]
     assert [item["layers"] for item in cluster.status()["nodes"][:2]] == [[0, 4], [5, 7]]
     events = [event["kind"] for event in cluster.status()["events"]]

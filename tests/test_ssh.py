@@ -160,7 +160,8 @@ def test_a_bad_node_is_reported_and_the_rest_runs(world: SshWorld, short_root: P
     try:
         result = cluster.cli("up")
         assert "running on 1 of 2 nodes" in result.stderr and message in result.stderr
-        assert [node["state"] for node in cluster.status()["nodes"]] == ["ready", "failed"]
+        nodes = cluster.status()["nodes"]
+        assert nodes[0]["state"] == "ready" and nodes[1]["failures"] >= 1 and nodes[1]["layers"] is None
         cluster.cli("down")
         strict = cluster.cli("up", "--require-all", check=False)
         assert strict.returncode == 1 and message in strict.stderr
@@ -408,7 +409,7 @@ def wait_for_node(cluster: Cluster, name: str, state: str, timeout: float = 60) 
 
 def test_a_dropped_ssh_connection_is_reopened_and_the_running_worker_adopted(world: SshWorld,
                                                                              short_root: Path) -> None:
-    node = world.extra_server(short_root / "blip", trusted=True)
+    node = world.extra_server(world.root / f"blip-{short_root.name}", trusted=True)
     cluster = ssh_cluster(world, short_root, nodes=2, overrides={1: {"port": str(node.port)}})
     try:
         cluster.cli("up")
@@ -429,7 +430,7 @@ def test_a_dropped_ssh_connection_is_reopened_and_the_running_worker_adopted(wor
 
 def test_down_names_a_node_it_cannot_reach_and_the_worker_it_left_running(world: SshWorld,
                                                                           short_root: Path) -> None:
-    node = world.extra_server(short_root / "gone", trusted=True)
+    node = world.extra_server(world.root / f"gone-{short_root.name}", trusted=True)
     cluster = ssh_cluster(world, short_root, nodes=2, overrides={1: {"port": str(node.port)}})
     try:
         cluster.cli("up")
