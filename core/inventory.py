@@ -33,23 +33,37 @@ _SIZE_UNITS = {
 }
 
 
+# Larger is a typo, not a machine's memory; the bound also keeps every size exact and far from overflow.
+MAX_SIZE = 1 << 60
+
+
 def parse_size(value: object) -> int:
-    """Parse a memory size such as ``6GiB``, ``512 MB`` or a plain byte count into bytes."""
+    """Parse a memory size such as ``6GiB``, ``512 MB`` or a plain byte count into bytes (at most 1 EiB)."""
     if isinstance(value, bool):
         raise ValueError("expected a size such as 6GiB or 512MiB")
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError("a size must be positive")
-        return value
-    if not isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(3).lower() not in _SIZE_UNITS:
+            raise ValueError(f"{_SHORT.repr(value)} is not a size; write it like 6GiB, 512MiB or 8GB")
+        whole, fraction, unit = match.group(1).lstrip("0"), match.group(2) or "", _SIZE_UNITS[match.group(3).lower()]
+        if len(whole) > len(str(MAX_SIZE)):
+            raise ValueError(_too_large(value))
+        # Exact: a byte is at most 2**-40 of the unit (TiB), which has 40 decimal digits; later ones add no byte.
+        digits = fraction[:40]
+        size = int(whole or "0") * unit + int(digits or "0") * unit // 10 ** len(digits)
+    else:
         raise ValueError("expected a size such as 6GiB or 512MiB")
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"'{value}' is not a size; write it like 6GiB, 512MiB or 8GB")
-    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
     if size <= 0:
         raise ValueError("a size must be positive")
+    if size > MAX_SIZE:
+        raise ValueError(_too_large(value))
     return size
+
+
+def _too_large(value: object) -> str:
+    return f"{_SHORT.repr(value)} is more than 1 EiB (2**60 bytes); write the node's memory like 6GiB or 512MiB"
 
 
 def _no_nul(value: object) -> object:
