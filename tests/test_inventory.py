@@ -261,6 +261,18 @@ def test_pathological_yaml_is_one_located_line(text: str) -> None:
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 600
 
 
+@pytest.mark.parametrize(("value", "expected"), [
+    ("9" * 5000, "bad.yaml:5: '99999"),                      # past the digits Python's int() reads
+    ("0x" + "f" * 5000, "bad.yaml:5: nodes[0] (a).memory: "),  # read (a power-of-two base), too long to print
+    ("2020-13-45", "bad.yaml:5: '2020-13-45' is not a valid date (month must be in 1..12)"),
+])
+def test_a_value_yaml_cannot_construct_or_print_is_one_located_line(value: str, expected: str) -> None:
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(f"cluster: a\nnodes:\n  - name: a\n    kind: local\n    memory: {value}\n", "bad.yaml")
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+    assert len(str(caught.value)) < 300
+
+
 @pytest.mark.parametrize(("field", "value", "expected"), [
     ("user", "root;id", "'root;id' is not a user name"),
     ("user", "-oProxyCommand=id", "is not a user name"),
