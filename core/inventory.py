@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 import reprlib
@@ -238,6 +239,8 @@ def parse_inventory(text: str, source: str) -> Inventory:
         tree = yaml.compose(text)
     except RecursionError:
         raise InventoryError(f"{source}: the YAML is nested too deeply", "fix: see inventory.example.yaml") from None
+    except ValueError:  # a scalar PyYAML parses but cannot construct: too many digits, an impossible date
+        raise InventoryError(_unconstructible(text, source), "fix: correct it, or quote it to make it text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -251,6 +254,30 @@ def parse_inventory(text: str, source: str) -> Inventory:
         raise InventoryError(f"{source}: the inventory must be a mapping with 'cluster' and 'nodes'",
                              "fix: see inventory.example.yaml")
     return _build(raw, source, locate)
+
+
+def _unconstructible(text: str, source: str) -> str:
+    """``file:line: value is …`` for the first scalar that PyYAML's safe constructor refuses."""
+    constructor = yaml.SafeLoader("")
+    seen: set[int] = set()
+    pending = [yaml.compose(text)]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:  # aliases share nodes, and may form cycles
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                constructor.construct_object(node)
+            except ValueError as exc:
+                what = "a number with too many digits" if node.tag.endswith(":int") else (
+                    f"not a valid date ({exc})" if node.tag.endswith(":timestamp") else f"unreadable ({exc})")
+                return f"{source}:{node.start_mark.line + 1}: {_SHORT.repr(node.value)} is {what}"
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(reversed(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            pending.extend(item for pair in reversed(node.value) for item in reversed(pair))
+    return f"{source}: a value cannot be read"
 
 
 def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
@@ -344,8 +371,17 @@ def direct_warnings(inventory: Inventory) -> list[str]:
             for node in inventory.nodes if node.kind == "ssh" and node.transport == "direct"]
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's short repr, also for integers too long for repr() (over 4300 digits)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4096:
+            return f"a number of about {int(x.bit_length() * math.log10(2))} digits"
+        return super().repr_int(x, level)
+
+
 # Shows a bad value in one short line, however big or deeply aliased (YAML anchors can nest a billion items).
-_SHORT = reprlib.Repr()
+_SHORT = _ShortRepr()
 _SHORT.maxstring = _SHORT.maxother = 60
 _SHORT.maxlevel = 2
 
