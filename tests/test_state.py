@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ClusterError
 from core.state import StateDir
 
 
@@ -28,3 +29,9 @@ def test_an_existing_folder_keeps_its_mode(tmp_path: Path, existing: int) -> Non
     tmp_path.chmod(existing)
     StateDir(tmp_path).create()
     assert mode(tmp_path) == existing
+
+
+def test_a_state_dir_that_cannot_be_made_is_one_line_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(ClusterError, match=r"cannot create the state dir .*a file/state: .*GGML_CLUSTER_STATE_DIR"):
+        StateDir(tmp_path / "a file" / "state").create()
