@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import InventoryError
+from core.errors import ClusterError, InventoryError
 
 STATE_ENV = "GGML_CLUSTER_STATE_DIR"
 # sun_path holds 108 bytes on Linux (104 on macOS), terminator included.
@@ -52,6 +52,9 @@ class StateDir:
                 folder.mkdir(mode=0o700)
             except FileExistsError:
                 continue  # made at this moment by another process: its mode is that process's business
+            except OSError as exc:
+                raise ClusterError(f"cannot create the state dir {self.root}: {exc.strerror or exc}",
+                                   f"fix: set ${STATE_ENV} to a folder you can write") from None
             folder.chmod(0o700)  # exact, whatever the umask took away
         if len(str(self.socket)) > MAX_SOCKET_PATH:
             raise InventoryError(f"state dir {self.root} is too long for a Unix socket path",
