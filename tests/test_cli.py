@@ -3,6 +3,7 @@ and bad usage (exit 2). Nothing here starts a worker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -47,3 +48,15 @@ def test_the_commands_inventory_wins_over_the_one_before_it_and_debug_works_befo
     assert refused(cli("-i", str(bad), "up", cwd=bad.parent), bad)
     debug = cli("--debug", "-i", str(bad), "up", cwd=bad.parent)
     assert "Traceback" in debug.stderr and "InventoryError" in debug.stderr
+
+
+@pytest.mark.parametrize("interval", ["0", "0.05", "-1", "nan"])
+def test_status_refuses_an_interval_below_a_tenth_of_a_second(interval: str, tmp_path: Path) -> None:
+    """An interval of 0 would have the controller send snapshots as fast as it can."""
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text("cluster: lab\nnodes:\n  - name: a\n    kind: local\n")
+    result = subprocess.run([CLI, "status", "--watch", "--json", "--interval", interval, "-i", str(inventory)],
+                            capture_output=True, text=True, timeout=60, check=False,
+                            env={**os.environ, "GGML_CLUSTER_STATE_DIR": str(tmp_path / "state")})
+    assert result.returncode == 2
+    assert "--interval" in result.stderr and "0.1" in result.stderr
