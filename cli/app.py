@@ -181,7 +181,7 @@ def status(
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON snapshot.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="With --json: one JSON object per line.")] = False,
-    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes (at least 0.1).")] = 1.0,
     inventory_file: InventoryOption = None,
     debug: DebugOption = False,
 ) -> None:
