@@ -303,11 +303,14 @@ def test_embedded_default_runs_without_an_inventory(short_tmp) -> None:
         status = json.loads(cli("status", "--json").stdout)
         assert status["cluster"] == "demo"
         assert [node["state"] for node in status["nodes"]] == ["ready", "ready"]
-        # Placed by measured speed: which worker gets what depends on this machine, not the layer count.
+        # Placed by measured speed: which worker gets what depends on this machine, not the layer count;
+        # but neither demo worker's memory holds the whole model, so both hold layers.
         assert status["strategy"] == "compute (latency)"
+        assert all(node["layers"] for node in status["nodes"]), status["nodes"]
         held = sorted(layer for node in status["nodes"] if node["layers"]
                       for layer in range(node["layers"][0], node["layers"][1] + 1))
         assert held == list(range(8))
+        assert "layers on 2 of 2 worker(s)" in up.stderr
         assert len(cli("run", "Hello", "-n", "12").stdout.split()) >= 6
     finally:
         subprocess.run([CLI, "down"], env=env, cwd=short_tmp, capture_output=True, timeout=120, check=False)
