@@ -462,14 +462,22 @@ class _Locator:
         return found
 
 
+# Each demo worker's `memory:`. The planner keeps 64 MiB of a node in reserve, which leaves 3 MiB: room for 6
+# of the demo model's 8 layers (0.48 MiB each with a 512-token KV cache), not for all 8 and the output layer
+# (4.0 MiB). So the demo shards across both workers, as a model too big for one machine does, where identical
+# workers would otherwise get every layer on one (the fastest plan). tests/test_planner.py checks both that
+# and that the model fits on the two.
+DEMO_WORKER_MEMORY = 67 << 20
+
+
 def embedded_inventory() -> Inventory:
-    """The built-in default: two local workers on this machine and the demo model."""
+    """The built-in default: two local workers on this machine and the demo model, which needs both."""
     threads = max(1, (os.cpu_count() or 2) // 2)
     return Inventory(
         cluster="demo",
         context=512,
         nodes=(
-            Node(name="local-a", kind="local", rpc_port=50152, threads=threads),
-            Node(name="local-b", kind="local", rpc_port=50153, threads=threads),
+            Node(name="local-a", kind="local", rpc_port=50152, threads=threads, memory=DEMO_WORKER_MEMORY),
+            Node(name="local-b", kind="local", rpc_port=50153, threads=threads, memory=DEMO_WORKER_MEMORY),
         ),
     )
