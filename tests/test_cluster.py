@@ -316,6 +316,23 @@ def test_embedded_default_runs_without_an_inventory(short_tmp) -> None:
         subprocess.run([CLI, "down"], env=env, cwd=short_tmp, capture_output=True, timeout=120, check=False)
 
 
+def test_a_relative_and_an_absolute_inventory_path_are_one_cluster(short_tmp) -> None:
+    """`-i inventory.yaml` from its folder and `-i /abs/inventory.yaml` name one file: the second `up` changes
+    nothing; and the controller resolves the inventory's relative paths against its folder, not its own cwd."""
+    cluster = Cluster(short_tmp, nodes=2, extra={0: ["workdir: n0 work"]})
+    try:
+        relative = subprocess.run([CLI, "up", "-i", cluster.inventory.name], cwd=short_tmp, env=cluster.env(),
+                                  capture_output=True, text=True, timeout=600, check=False)
+        assert relative.returncode == 0, relative.stderr
+        pids = [int((short_tmp / "n0 work" / "worker.pid").read_text()), cluster.worker_pid("n1")]
+        again = cluster.cli("up")  # the harness passes the absolute path
+        assert "already up" in again.stderr
+        assert [int((short_tmp / "n0 work" / "worker.pid").read_text()), cluster.worker_pid("n1")] == pids
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
+
+
 def test_two_ups_at_once_start_one_cluster(short_tmp) -> None:
     cluster = Cluster(short_tmp, nodes=2)
     try:
