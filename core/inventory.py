@@ -191,6 +191,12 @@ class Inventory(_Frozen):
             return None
         return self.resolve(self.model)
 
+    @property
+    def location(self) -> str:
+        """The inventory file's absolute path, or the embedded marker: what identifies it wherever the
+        command runs (``source`` stays as the user wrote it, for messages)."""
+        return self.source if self.source == EMBEDDED_SOURCE else str(Path(self.source).resolve())
+
     def workdir(self, node: Node) -> Path | None:
         """The node's work dir, resolved like every other path in the inventory."""
         return self.resolve(node.workdir) if node.workdir else None
