@@ -44,12 +44,16 @@ class Options:
 
 OPTIONS = Options()
 
+# Accepted before the command (`ggml-cluster -i inv.yaml up`) and after it (`ggml-cluster up -i inv.yaml`);
+# the command's own takes precedence.
+InventoryOption = Annotated[str | None, typer.Option(
+    "--inventory", "-i", metavar="PATH",
+    help="Inventory YAML file (else $GGML_CLUSTER_INVENTORY, else ./inventory.yaml, else the embedded default).")]
+DebugOption = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+
 
 @app.callback()
-def _global(
-    inventory: Annotated[str | None, typer.Option("--inventory", "-i", help="Inventory YAML file.")] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
-) -> None:
+def _global(inventory: InventoryOption = None, debug: DebugOption = False) -> None:
     OPTIONS.inventory = inventory
     OPTIONS.debug = debug
 
@@ -76,7 +80,10 @@ def _execute(work: Coroutine[Any, Any, T], interrupted: str = "") -> T:
         raise typer.Exit(130) from None
 
 
-def _inventory() -> Inventory:
+def _inventory(inventory_file: str | None, debug: bool) -> Inventory:
+    """The inventory to use, with the command's own -i and --debug applied over those before it."""
+    OPTIONS.inventory = inventory_file or OPTIONS.inventory
+    OPTIONS.debug = OPTIONS.debug or debug
     try:
         return load_inventory(find_inventory(OPTIONS.inventory))
     except ClusterError as exc:
@@ -86,12 +93,14 @@ def _inventory() -> Inventory:
 @app.command()
 def up(
     require_all: Annotated[bool, typer.Option("--require-all", help="Fail unless every node comes up.")] = False,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Start the cluster (workers, controller, coordinator) and wait until it can serve.
 
     Idempotent: with nothing changed it returns at once; a changed inventory restarts the cluster.
     """
-    inventory = _inventory()
+    inventory = _inventory(inventory_file, debug)
     for warning in direct_warnings(inventory):
         err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
     seen: dict[str, str] = {}
@@ -168,13 +177,16 @@ def up(
 
 @app.command()
 def status(
+    *,
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON snapshot.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="With --json: one JSON object per line.")] = False,
-    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes (at least 0.1).")] = 1.0,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Show the cluster: a live dashboard on a terminal, else one snapshot."""
-    state = client.state_for(_inventory())
+    state = client.state_for(_inventory(inventory_file, debug))
 
     async def work() -> None:
         if as_json and watch:
@@ -206,9 +218,11 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message, rendered with the "
                                                       "model's chat template (as /v1/chat/completions does).")] = False,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Stream a completion from the cluster to stdout."""
-    state = client.state_for(_inventory())
+    state = client.state_for(_inventory(inventory_file, debug))
     request: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     request.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
 
@@ -235,12 +249,14 @@ def run(
 @app.command()
 def check(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Preflight every node (reach, hardware, backend, toolchain, worker, port) without starting anything.
 
     Exits 1 when any node has a problem.
     """
-    inventory = _inventory()
+    inventory = _inventory(inventory_file, debug)
     rows = _execute(client.check(inventory))
     if as_json:
         sys.stdout.write(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
@@ -260,9 +276,11 @@ def plan(
     objective: Annotated[str | None, typer.Option(
         help="For compute: latency (time per token) or throughput (bottleneck); default: the inventory's.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Show the layer plan for the running cluster and why each node got its part (changes nothing)."""
-    inventory = _inventory()
+    inventory = _inventory(inventory_file, debug)
     chosen = strategy or inventory.strategy
     if chosen not in client.STRATEGIES:
         err.print(f"[red]error:[/red] --strategy {chosen}: use one of {', '.join(client.STRATEGIES)}")
@@ -288,9 +306,11 @@ def _print_plan(result: Plan, rows: list[client.PlanRow], as_json: bool) -> None
 @app.command()
 def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print the new plan as JSON.")] = False,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Measure every node's speed again, re-plan and reload the model (waits for a request in flight)."""
-    inventory = _inventory()
+    inventory = _inventory(inventory_file, debug)
     err.print("measuring the nodes (a few seconds per node) …")
     _execute(client.reprofile(inventory))
     result, rows = _execute(client.explain_plan(inventory, inventory.strategy))
@@ -303,9 +323,11 @@ def down(
     keep_workers: Annotated[bool, typer.Option(
         "--keep-workers", help="Leave the workers running (with their cached tensors) for the next `up` to "
                                "adopt, or for another RPC client.")] = False,
+    inventory_file: InventoryOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Stop the coordinator, every worker and the controller."""
-    inventory = _inventory()
+    inventory = _inventory(inventory_file, debug)
     state = client.state_for(inventory)
     running = state.controller_pid() is not None
     result = _execute(client.shut_down(state, keep_workers=keep_workers),

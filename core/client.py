@@ -144,7 +144,9 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
     binary = await asyncio.to_thread(worker_binary, "cpu", on_build)
     inventory_text = json.dumps(inventory.model_dump(mode="json", exclude={"source"}), sort_keys=True)
     launch = Launch(binary=str(binary.path), protocol=binary.protocol, model=str(model.resolve()))
-    launch_text = json.dumps({**launch.to_dict(), "source": inventory.source}, sort_keys=True)
+    # The controller runs in another folder: it gets the inventory's absolute path to resolve relative paths
+    # against, and `-i inv.yaml` and `-i $PWD/inv.yaml` make one fingerprint.
+    launch_text = json.dumps({**launch.to_dict(), "source": inventory.location}, sort_keys=True)
     wanted = fingerprint(inventory_text, launch_text)
 
     restarted = False

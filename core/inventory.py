@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 import reprlib
@@ -33,23 +34,37 @@ _SIZE_UNITS = {
 }
 
 
+# Larger is a typo, not a machine's memory; the bound also keeps every size exact and far from overflow.
+MAX_SIZE = 1 << 60
+
+
 def parse_size(value: object) -> int:
-    """Parse a memory size such as ``6GiB``, ``512 MB`` or a plain byte count into bytes."""
+    """Parse a memory size such as ``6GiB``, ``512 MB`` or a plain byte count into bytes (at most 1 EiB)."""
     if isinstance(value, bool):
         raise ValueError("expected a size such as 6GiB or 512MiB")
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError("a size must be positive")
-        return value
-    if not isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(3).lower() not in _SIZE_UNITS:
+            raise ValueError(f"{_SHORT.repr(value)} is not a size; write it like 6GiB, 512MiB or 8GB")
+        whole, fraction, unit = match.group(1).lstrip("0"), match.group(2) or "", _SIZE_UNITS[match.group(3).lower()]
+        if len(whole) > len(str(MAX_SIZE)):
+            raise ValueError(_too_large(value))
+        # Exact: a byte is at most 2**-40 of the unit (TiB), which has 40 decimal digits; later ones add no byte.
+        digits = fraction[:40]
+        size = int(whole or "0") * unit + int(digits or "0") * unit // 10 ** len(digits)
+    else:
         raise ValueError("expected a size such as 6GiB or 512MiB")
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"'{value}' is not a size; write it like 6GiB, 512MiB or 8GB")
-    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
     if size <= 0:
         raise ValueError("a size must be positive")
+    if size > MAX_SIZE:
+        raise ValueError(_too_large(value))
     return size
+
+
+def _too_large(value: object) -> str:
+    return f"{_SHORT.repr(value)} is more than 1 EiB (2**60 bytes); write the node's memory like 6GiB or 512MiB"
 
 
 def _no_nul(value: object) -> object:
@@ -176,6 +191,12 @@ class Inventory(_Frozen):
             return None
         return self.resolve(self.model)
 
+    @property
+    def location(self) -> str:
+        """The inventory file's absolute path, or the embedded marker: what identifies it wherever the
+        command runs (``source`` stays as the user wrote it, for messages)."""
+        return self.source if self.source == EMBEDDED_SOURCE else str(Path(self.source).resolve())
+
     def workdir(self, node: Node) -> Path | None:
         """The node's work dir, resolved like every other path in the inventory."""
         return self.resolve(node.workdir) if node.workdir else None
@@ -224,6 +245,8 @@ def parse_inventory(text: str, source: str) -> Inventory:
         tree = yaml.compose(text)
     except RecursionError:
         raise InventoryError(f"{source}: the YAML is nested too deeply", "fix: see inventory.example.yaml") from None
+    except ValueError:  # a scalar PyYAML parses but cannot construct: too many digits, an impossible date
+        raise InventoryError(_unconstructible(text, source), "fix: correct it, or quote it to make it text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -237,6 +260,30 @@ def parse_inventory(text: str, source: str) -> Inventory:
         raise InventoryError(f"{source}: the inventory must be a mapping with 'cluster' and 'nodes'",
                              "fix: see inventory.example.yaml")
     return _build(raw, source, locate)
+
+
+def _unconstructible(text: str, source: str) -> str:
+    """``file:line: value is …`` for the first scalar that PyYAML's safe constructor refuses."""
+    constructor = yaml.SafeLoader("")
+    seen: set[int] = set()
+    pending = [yaml.compose(text)]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:  # aliases share nodes, and may form cycles
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                constructor.construct_object(node)
+            except ValueError as exc:
+                what = "a number with too many digits" if node.tag.endswith(":int") else (
+                    f"not a valid date ({exc})" if node.tag.endswith(":timestamp") else f"unreadable ({exc})")
+                return f"{source}:{node.start_mark.line + 1}: {_SHORT.repr(node.value)} is {what}"
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(reversed(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            pending.extend(item for pair in reversed(node.value) for item in reversed(pair))
+    return f"{source}: a value cannot be read"
 
 
 def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
@@ -330,8 +377,17 @@ def direct_warnings(inventory: Inventory) -> list[str]:
             for node in inventory.nodes if node.kind == "ssh" and node.transport == "direct"]
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's short repr, also for integers too long for repr() (over 4300 digits)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4096:
+            return f"a number of about {int(x.bit_length() * math.log10(2))} digits"
+        return super().repr_int(x, level)
+
+
 # Shows a bad value in one short line, however big or deeply aliased (YAML anchors can nest a billion items).
-_SHORT = reprlib.Repr()
+_SHORT = _ShortRepr()
 _SHORT.maxstring = _SHORT.maxother = 60
 _SHORT.maxlevel = 2
 
@@ -412,14 +468,22 @@ class _Locator:
         return found
 
 
+# Each demo worker's `memory:`. The planner keeps 64 MiB of a node in reserve, which leaves 3 MiB: room for 6
+# of the demo model's 8 layers (0.48 MiB each with a 512-token KV cache), not for all 8 and the output layer
+# (4.0 MiB). So the demo shards across both workers, as a model too big for one machine does, where identical
+# workers would otherwise get every layer on one (the fastest plan). tests/test_planner.py checks both that
+# and that the model fits on the two.
+DEMO_WORKER_MEMORY = 67 << 20
+
+
 def embedded_inventory() -> Inventory:
-    """The built-in default: two local workers on this machine and the demo model."""
+    """The built-in default: two local workers on this machine and the demo model, which needs both."""
     threads = max(1, (os.cpu_count() or 2) // 2)
     return Inventory(
         cluster="demo",
         context=512,
         nodes=(
-            Node(name="local-a", kind="local", rpc_port=50152, threads=threads),
-            Node(name="local-b", kind="local", rpc_port=50153, threads=threads),
+            Node(name="local-a", kind="local", rpc_port=50152, threads=threads, memory=DEMO_WORKER_MEMORY),
+            Node(name="local-b", kind="local", rpc_port=50153, threads=threads, memory=DEMO_WORKER_MEMORY),
         ),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shlex
 import shutil
@@ -195,6 +196,9 @@ async def _end_follower(process: subprocess.Popen[bytes]) -> None:
         await asyncio.get_running_loop().run_in_executor(_COMMANDS, process.wait)
 
 
+KNOWN_HOSTS = Path("~/.ssh/known_hosts")
+
+
 class SshRemote:
     """A node reached over SSH (asyncssh): one connection carries commands, uploads and RPC forwards."""
 
@@ -266,6 +270,13 @@ class SshRemote:
                 await self._accept_new_host_key()
             self._conn = await asyncssh.connect(self.node.host, **options)
         except asyncssh.HostKeyNotVerifiable as exc:
+            port = self.node.port or 22
+            if _known_host(KNOWN_HOSTS.expanduser(), self.node.host, port):
+                raise ConnectError(
+                    f"node {name}: the host key of {self.where} has changed since it was recorded in "
+                    f"{KNOWN_HOSTS}: this may be an attack (someone between you and the node), or the node "
+                    "was reinstalled", "fix: if you know why it changed, remove the old key with ssh-keygen -R "
+                    f"{shlex.quote(_known_hosts_name(self.node.host, port))} and connect again") from None
             raise ConnectError(f"node {name}: the host key of {self.where} is not trusted ({exc.reason})",
                                "fix: connect once with ssh and check its fingerprint, or set host_key: accept-new"
                                ) from None
@@ -290,19 +301,15 @@ class SshRemote:
 
     async def _accept_new_host_key(self) -> None:
         """Trust on first use: record an unknown host's key; a known host with another key still fails."""
-        path = Path("~/.ssh/known_hosts").expanduser()
+        path = KNOWN_HOSTS.expanduser()
         port = self.node.port or 22
-        if path.is_file():
-            trusted, ca_keys, revoked, *_ = asyncssh.read_known_hosts(str(path)).match(self.node.host, "", port)
-            if trusted or ca_keys or revoked:
-                return
+        if _known_host(path, self.node.host, port):
+            return
         key = await asyncio.wait_for(asyncssh.get_server_host_key(self.node.host, port), self.connect_timeout)
         if key is None:
             return
-        host = self.node.host if port == 22 else f"[{self.node.host}]:{port}"
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with path.open("a") as handle:
-            handle.write(f"{host} {key.export_public_key().decode().strip()}\n")
+        line = f"{_known_hosts_name(self.node.host, port)} {key.export_public_key().decode().strip()}\n"
+        await asyncio.to_thread(_record_host_key, path, self.node.host, port, line)
 
     def _connection(self) -> asyncssh.SSHClientConnection:
         if self._conn is None:
@@ -438,6 +445,33 @@ class _ChannelSide(asyncssh.SSHTCPSession[bytes]):
     def resume_writing(self) -> None:
         """Room again."""
         self.link.pause_client(False)
+
+
+def _known_hosts_name(host: str, port: int) -> str:
+    """How known_hosts (and ssh-keygen -R) names a host and port."""
+    return host if port == 22 else f"[{host}]:{port}"
+
+
+def _known_host(path: Path, host: str, port: int) -> bool:
+    """Whether known_hosts holds any key, CA or revocation for host:port."""
+    if not path.is_file():
+        return False
+    trusted, ca_keys, revoked, *_ = asyncssh.read_known_hosts(str(path)).match(host, "", port)
+    return bool(trusted or ca_keys or revoked)
+
+
+def _record_host_key(path: Path, host: str, port: int, line: str) -> None:
+    """Append a host's known_hosts line unless the host is known by now.
+
+    Nodes on one host connect at once, in this process and in another (`check` beside `up`): the check and
+    the append are one step under a lock on a file beside known_hosts (flock: each open excludes the others).
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(os.open(path.with_name(f"{path.name}.lock"), os.O_WRONLY | os.O_CREAT, 0o600)) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _known_host(path, host, port):
+            with path.open("a") as handle:
+                handle.write(line)
 
 
 def remote_for(node: Node) -> Remote:

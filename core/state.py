@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import InventoryError
+from core.errors import ClusterError, InventoryError
 
 STATE_ENV = "GGML_CLUSTER_STATE_DIR"
 # sun_path holds 108 bytes on Linux (104 on macOS), terminator included.
@@ -37,9 +37,25 @@ class StateDir:
     root: Path
 
     def create(self) -> StateDir:
-        """Make the directory, private to this user (mode 0700)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.root.chmod(0o700)
+        """Make the directory and any missing parents, private to this user (mode 0700).
+
+        A folder that already exists keeps its mode: $GGML_CLUSTER_STATE_DIR may name one the user shares
+        (the control socket is 0600 and the controller checks every peer's uid either way).
+        """
+        missing = []
+        folder = self.root
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        for folder in reversed(missing):
+            try:
+                folder.mkdir(mode=0o700)
+            except FileExistsError:
+                continue  # made at this moment by another process: its mode is that process's business
+            except OSError as exc:
+                raise ClusterError(f"cannot create the state dir {self.root}: {exc.strerror or exc}",
+                                   f"fix: set ${STATE_ENV} to a folder you can write") from None
+            folder.chmod(0o700)  # exact, whatever the umask took away
         if len(str(self.socket)) > MAX_SOCKET_PATH:
             raise InventoryError(f"state dir {self.root} is too long for a Unix socket path",
                                  f"fix: set ${STATE_ENV} to a shorter folder")

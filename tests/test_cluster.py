@@ -320,14 +320,34 @@ def test_embedded_default_runs_without_an_inventory(short_tmp) -> None:
         status = json.loads(cli("status", "--json").stdout)
         assert status["cluster"] == "demo"
         assert [node["state"] for node in status["nodes"]] == ["ready", "ready"]
-        # Placed by measured speed: which worker gets what depends on this machine, not the layer count.
+        # Placed by measured speed: which worker gets what depends on this machine, not the layer count;
+        # but neither demo worker's memory holds the whole model, so both hold layers.
         assert status["strategy"] == "compute (latency)"
+        assert all(node["layers"] for node in status["nodes"]), status["nodes"]
         held = sorted(layer for node in status["nodes"] if node["layers"]
                       for layer in range(node["layers"][0], node["layers"][1] + 1))
         assert held == list(range(8))
+        assert "layers on 2 of 2 worker(s)" in up.stderr
         assert len(cli("run", "Hello", "-n", "12").stdout.split()) >= 6
     finally:
         subprocess.run([CLI, "down"], env=env, cwd=short_tmp, capture_output=True, timeout=120, check=False)
+
+
+def test_a_relative_and_an_absolute_inventory_path_are_one_cluster(short_tmp) -> None:
+    """`-i inventory.yaml` from its folder and `-i /abs/inventory.yaml` name one file: the second `up` changes
+    nothing; and the controller resolves the inventory's relative paths against its folder, not its own cwd."""
+    cluster = Cluster(short_tmp, nodes=2, extra={0: ["workdir: n0 work"]})
+    try:
+        relative = subprocess.run([CLI, "up", "-i", cluster.inventory.name], cwd=short_tmp, env=cluster.env(),
+                                  capture_output=True, text=True, timeout=600, check=False)
+        assert relative.returncode == 0, relative.stderr
+        pids = [int((short_tmp / "n0 work" / "worker.pid").read_text()), cluster.worker_pid("n1")]
+        again = cluster.cli("up")  # the harness passes the absolute path
+        assert "already up" in again.stderr
+        assert [int((short_tmp / "n0 work" / "worker.pid").read_text()), cluster.worker_pid("n1")] == pids
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
 
 
 def test_two_ups_at_once_start_one_cluster(short_tmp) -> None:

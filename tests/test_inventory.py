@@ -41,6 +41,10 @@ BAD = {
                         "is not a valid name"),
     "bad size": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    memory: lots\n",
                  "bad.yaml:5: nodes[0] (x).memory: 'lots' is not a size"),
+    "huge size": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    memory: " + "9" * 309 + "GiB\n",
+                  "bad.yaml:5: nodes[0] (x).memory: '99999999"),
+    "huge plain size": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    memory: " + "9" * 400 + "\n",
+                        "bad.yaml:5: nodes[0] (x).memory: 99999999"),
     "no nodes": ("cluster: a\nnodes: []\n", "bad.yaml:2: nodes: needs a list with at least one node"),
     "not a mapping": ("- a\n- b\n", "bad.yaml: the inventory must be a mapping"),
     "empty": ("", "bad.yaml: the inventory is empty"),
@@ -70,7 +74,8 @@ def test_bad_inventory_is_one_located_line(case: str) -> None:
     assert caught.value.exit_code == 2
 
 
-@pytest.mark.parametrize("case", ["yaml syntax", "unknown key", "duplicate name", "port clash", "wrong type"])
+@pytest.mark.parametrize("case", ["yaml syntax", "unknown key", "duplicate name", "port clash", "wrong type",
+                                  "huge size"])
 def test_cli_exits_2_with_one_line_and_no_traceback(case: str, tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(BAD[case][0])
@@ -138,10 +143,24 @@ def test_sizes(text: object, size: int) -> None:
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["lots", "-1", 0, True, "5 parsecs"])
+@pytest.mark.parametrize("text", ["lots", "-1", 0, True, "5 parsecs", "0.1b", "0." + "0" * 100_000 + "1TB"],
+                         ids=lambda text: str(text)[:12])
 def test_bad_sizes(text: object) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["9" * 309, "9" * 309 + "GiB", "1" + "0" * 5000 + ".5 MiB", 10**400, (1 << 60) + 1,
+                                  "1048577TiB", "2000000000000000000"], ids=lambda text: f"{str(text)[:12]}...")
+def test_absurd_sizes_are_refused_by_a_clear_message(text: object) -> None:
+    """More than 2**60 bytes (1 EiB) is a typo, not a machine; nothing overflows on the way."""
+    with pytest.raises(ValueError, match=r"more than 1 EiB"):
+        parse_size(text)
+
+
+def test_sizes_are_exact_up_to_the_largest() -> None:
+    assert parse_size("1048576TiB") == parse_size(1 << 60) == 1 << 60
+    assert parse_size("1." + "0" * 100_000 + "GiB") == 1 << 30
 
 
 # --- hostile input: any YAML is a valid inventory or one located line (exit 2); nothing shell-like survives -----
@@ -240,6 +259,18 @@ def test_pathological_yaml_is_one_located_line(text: str) -> None:
     with pytest.raises(InventoryError) as caught:
         parse_inventory(text, "bad.yaml")
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 600
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("9" * 5000, "bad.yaml:5: '99999"),                      # past the digits Python's int() reads
+    ("0x" + "f" * 5000, "bad.yaml:5: nodes[0] (a).memory: "),  # read (a power-of-two base), too long to print
+    ("2020-13-45", "bad.yaml:5: '2020-13-45' is not a valid date (month must be in 1..12)"),
+])
+def test_a_value_yaml_cannot_construct_or_print_is_one_located_line(value: str, expected: str) -> None:
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(f"cluster: a\nnodes:\n  - name: a\n    kind: local\n    memory: {value}\n", "bad.yaml")
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+    assert len(str(caught.value)) < 300
 
 
 @pytest.mark.parametrize(("field", "value", "expected"), [

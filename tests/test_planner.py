@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import PlanError
-from core.model import ModelFacts
+from core.inventory import embedded_inventory
+from core.model import ModelFacts, read_model, write_demo_model
 from core.planner import (
     NodeCapacity,
     NodeSpeed,
@@ -23,6 +24,7 @@ from core.planner import (
     split_for_counts,
     with_prediction,
 )
+from core.profile import depths_for
 
 GIB = 1 << 30
 
@@ -182,3 +184,23 @@ def test_prediction_is_carried_by_the_plan() -> None:
     assert plan.predicted_s == pytest.approx((0.007, 0.005))
     assert plan.predicted_total_s == pytest.approx(0.015)
     assert plan.to_dict()["predicted_ms"] == pytest.approx(15.0)
+
+
+@pytest.mark.parametrize("cost", [((0.001, 0.0005), (0.001, 0.0005)),   # identical workers
+                                  ((0.0001, 0.00001), (0.05, 0.05)),     # b far slower: a would take all
+                                  ((0.05, 0.05), (0.0001, 0.00001))])    # a far slower: b would take all
+def test_the_embedded_default_puts_layers_on_both_demo_workers(tmp_path: Path, cost: tuple) -> None:
+    """The demo is a cluster: neither demo worker's memory holds the demo model alone, the two together do,
+    and each can still be timed (profiled) before the first plan."""
+    inventory = embedded_inventory()
+    demo = read_model(write_demo_model(tmp_path / "demo.gguf"))
+    nodes = [NodeCapacity(node.name, 64 * GIB, node.memory) for node in inventory.nodes]
+    plan = plan_compute(demo, nodes, speeds(*cost), inventory.context)
+    assert all(plan.layers), plan.layers
+    for other in (plan_memory, plan_equal):
+        assert all(other(demo, nodes, inventory.context).layers)
+    for node in nodes:
+        with pytest.raises(PlanError, match="does not fit"):
+            plan_compute(demo, [node], speeds(cost[0]), inventory.context)
+        low, high = depths_for(demo, node.usable) or (0, 0)
+        assert 1 <= low < high

@@ -183,6 +183,45 @@ def test_accept_new_records_an_unknown_host_key(world: SshWorld, short_root: Pat
         known_hosts.write_text(before)
 
 
+@pytest.mark.parametrize("policy", ["accept-new", "strict"])
+def test_a_changed_host_key_is_named_as_a_possible_attack_with_the_way_to_clear_it(
+        world: SshWorld, short_root: Path, policy: str) -> None:
+    server = world.extra_server(short_root / "reinstalled")
+    known_hosts = world.home / ".ssh" / "known_hosts"
+    before = known_hosts.read_text()
+    old_key = " ".join(keygen(short_root / "old_host_key").split()[:2])  # what the host had before
+    known_hosts.write_text(before + f"[127.0.0.1]:{server.port} {old_key}\n")
+    cluster = ssh_cluster(world, short_root, nodes=1, overrides={0: {"port": str(server.port), "host_key": policy}})
+    try:
+        result = cluster.cli("up", check=False)
+        recorded = known_hosts.read_text()
+    finally:
+        cluster.cli("down", check=False)
+        known_hosts.write_text(before)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert f"node n0: the host key of root@127.0.0.1:{server.port} has changed" in errors[0]
+    assert "may be an attack" in errors[0] and f"ssh-keygen -R '[127.0.0.1]:{server.port}'" in errors[0]
+    assert recorded == before + f"[127.0.0.1]:{server.port} {old_key}\n"  # accept-new never replaces a key
+
+
+def test_accept_new_records_a_host_once_for_two_nodes_on_it(world: SshWorld, short_root: Path) -> None:
+    server = world.extra_server(short_root / "shared")
+    known_hosts = world.home / ".ssh" / "known_hosts"
+    before = known_hosts.read_text()
+    on_it = {"port": str(server.port), "host_key": "accept-new"}
+    cluster = ssh_cluster(world, short_root, nodes=2, overrides={0: on_it, 1: on_it})
+    try:
+        result = cluster.cli("check", check=False)
+        recorded = known_hosts.read_text()
+    finally:
+        known_hosts.write_text(before)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [line for line in recorded.splitlines() if line.startswith(f"[127.0.0.1]:{server.port} ")] == [
+        server.known_hosts_line()]
+
+
 def test_missing_cmake_on_the_node_names_the_fix(world: SshWorld, short_root: Path) -> None:
     bare = world.extra_server(short_root / "bare", without=("cmake",), trusted=True)
     cluster = ssh_cluster(world, short_root, nodes=1,

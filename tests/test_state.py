@@ -1,0 +1,37 @@
+"""The state directory: ggml-cluster makes its own folders private and leaves the user's folders as they are."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from core.errors import ClusterError
+from core.state import StateDir
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_folders_it_creates_are_private_missing_parents_included(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    root = tmp_path / "state" / "ggml-cluster" / "lab"
+    StateDir(root).create()
+    assert [mode(folder) for folder in (tmp_path / "state", root.parent, root)] == [0o700] * 3
+    assert mode(tmp_path) == 0o755
+
+
+@pytest.mark.parametrize("existing", [0o1777, 0o755, 0o750])
+def test_an_existing_folder_keeps_its_mode(tmp_path: Path, existing: int) -> None:
+    """$GGML_CLUSTER_STATE_DIR=/tmp must not make /tmp private to one user."""
+    tmp_path.chmod(existing)
+    StateDir(tmp_path).create()
+    assert mode(tmp_path) == existing
+
+
+def test_a_state_dir_that_cannot_be_made_is_one_line_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(ClusterError, match=r"cannot create the state dir .*a file/state: .*GGML_CLUSTER_STATE_DIR"):
+        StateDir(tmp_path / "a file" / "state").create()
