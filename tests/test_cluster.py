@@ -277,7 +277,7 @@ def test_port_taken_by_another_process_leaves_that_node_out_and_says_so(short_tm
         result = cluster.cli("up")
         assert "running on 1 of 2 nodes" in result.stderr and message in result.stderr
         nodes = cluster.status()["nodes"]
-        assert [(node["state"], node["layers"]) for node in nodes][0] == ("ready", [0, 7])
+        assert (nodes[0]["state"], nodes[0]["layers"]) == ("ready", [0, 7])
         assert nodes[1]["failures"] >= 1 and nodes[1]["layers"] is None  # left out, and tried again now and then
         assert nodes[1]["state"] in ("failed", "starting") and "already in use" in nodes[1]["last_error"]
         assert cluster.cli("run", "Hi", "-n", "8").returncode == 0
