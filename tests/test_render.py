@@ -169,3 +169,20 @@ def test_small_formatters() -> None:
     assert duration(59) == "59s" and duration(3725) == "1h02m"
     assert run_summary({"completion_tokens": 3, "timings": {"decode_tokens_per_s": 10.0, "first_token_s": 0.25},
                         "recoveries": [{}]}) == "3 tokens, 10.0 tok/s, first token 250 ms, 1 recovery"
+
+
+def test_a_reconnecting_node_and_the_coordinators_progress_are_shown() -> None:
+    status = when(healthy(), pi5={"state": NodeState.RECONNECTING, "rss": None, "cpu_percent": None,
+                                  "last_error": "node pi5: cannot reach root@pi5.lan: Connection refused"})
+    status = dataclasses.replace(status, coordinator=CoordinatorStatus(
+        state=CoordinatorState.GENERATING, endpoint="unix:/s", progress="prompt 1024/2881 tokens"))
+    lines = screen(status)
+    assert lines[0] == "homelab  model qwen2.5-7b-q4_k_m.gguf  coordinator generating (prompt 1024/2881"
+    assert any(line.startswith("pi5") and "reconnecting" in line for line in lines)
+    assert "  └ node pi5: cannot reach root@pi5.lan: Connection refused" in lines
+
+
+def test_a_failed_node_says_when_it_is_tried_again() -> None:
+    status = when(healthy(), pi5={"state": NodeState.FAILED, "layers": None, "failures": 2, "retry_at": T0 + 145,
+                                  "last_error": "crash loop: killed by SIGKILL"})
+    assert "  └ crash loop: killed by SIGKILL (failed 2 times; next try in 20s)" in screen(status)
