@@ -19,6 +19,7 @@ STATE_STYLE = {
     NodeState.READY: "green",
     NodeState.STARTING: "yellow",
     NodeState.RESTARTING: "yellow",
+    NodeState.RECONNECTING: "yellow",
     NodeState.PENDING: "dim",
     NodeState.CONNECTING: "yellow",
     NodeState.DEPLOYING: "yellow",
@@ -113,6 +114,8 @@ def header(status: ClusterStatus, now: float) -> list[Text]:
     first.append(status.cluster, style="bold")
     first.append(f"  model {status.model}  coordinator ")
     first.append(str(status.coordinator.state), style=COORDINATOR_STYLE[status.coordinator.state])
+    if status.coordinator.progress:
+        first.append(f" ({status.coordinator.progress})")
     if status.coordinator.restarts:
         first.append(f" (restarts {status.coordinator.restarts})")
     first.append(f"  up {duration(now - status.started_at)}")
@@ -157,7 +160,7 @@ NODE_COLUMNS = (
 )
 
 
-def node_lines(status: ClusterStatus, width: int) -> list[Text]:
+def node_lines(status: ClusterStatus, width: int, now: float) -> list[Text]:
     """The node table: a row per node, and under a row the node's last status when it has one.
 
     Optional columns are dropped until the rest fit ``width``; the status line gets the whole width, so
@@ -188,8 +191,12 @@ def node_lines(status: ClusterStatus, width: int) -> list[Text]:
         last = node.last_error or node.last_status
         if not last and node.state == NodeState.READY and node.layers is None and status.tensor_split:
             last = "no layers in this plan; `ggml-cluster plan` says why"
+        if node.left_out and node.retry_at is not None:
+            last += (f" (failed {node.failures} time{'s' if node.failures != 1 else ''}; next try in "
+                     f"{duration(node.retry_at - now)})")
         if last:
-            style = {NodeState.FAILED: "red", NodeState.RESTARTING: "yellow"}.get(node.state, "dim")
+            style = {NodeState.FAILED: "red", NodeState.RESTARTING: "yellow",
+                     NodeState.RECONNECTING: "yellow"}.get(node.state, "dim")
             lines.append(Text(f"  └ {last}", style=style, no_wrap=True, overflow="ellipsis"))
     return lines
 
@@ -216,7 +223,7 @@ class StatusView:
     def lines(self, width: int) -> list[Text]:
         """The screen as lines, at most ``width`` cells wide."""
         now = time.time() if self.now is None else self.now
-        lines = [*header(self.status, now), Text(), *node_lines(self.status, width)]
+        lines = [*header(self.status, now), Text(), *node_lines(self.status, width, now)]
         if self.events and self.status.events:
             lines += [Text(), Text("events", style="bold"), *event_lines(self.status, self.events)]
         return lines
