@@ -219,7 +219,7 @@ class Controller:
         self._reprofile = False  # set by `profile`: measure again before the next plan
         self._restart = asyncio.Event()  # set: the coordinator's owner should start a fresh one (a new plan)
         self._capacity = asyncio.Event()  # set: a node became ready, a failed plan may fit now
-        self._load_rate: float | None = None  # bytes/s of the fastest model load so far
+        self._load_rate: float | None = None  # bytes/s of the slowest model load so far (a cold one, usually)
         self._loads = 0  # coordinators that finished loading
         self._event_seq = 0  # events recorded so far
         self._left_running: list[str] = []  # what `down` could not stop
@@ -862,7 +862,8 @@ class Controller:
             raise ClusterError(f"the coordinator could not load the model: {message.get('message')}",
                                f"see {self.state.coordinator_log}")
         load_s = time.monotonic() - started
-        self._load_rate = max(self._load_rate or 0.0, self.model.path.stat().st_size / max(load_s, 1e-3))
+        rate = self.model.path.stat().st_size / max(load_s, 1e-3)
+        self._load_rate = rate if self._load_rate is None else min(self._load_rate, rate)
         self._check_assignment(plan, log_start)
         self.coordinator.state = CoordinatorState.READY
         self.coordinator.last_error = ""
@@ -871,8 +872,9 @@ class Controller:
         self.record("coordinator-ready", f"model loaded across {len(plan.used)} worker(s) in {load_s:.1f}s")
 
     def load_deadline(self) -> float:
-        """Seconds a model load may take: generous against the measured (or an assumed) load rate, since a stall
-        is caught sooner by the watchdog; a slow link or a large model must not be cut short."""
+        """Seconds a model load may take: generous against the slowest load measured (or an assumed rate before
+        the first), since a stall is caught sooner by the watchdog; a cold load over a slow link must not be cut
+        short."""
         rate = self._load_rate or ASSUMED_LOAD_RATE
         return max(LOAD_MIN_S, LOAD_SLACK * self.model.path.stat().st_size / rate)
 
