@@ -49,7 +49,7 @@ def process_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat") as handle:
             stat = handle.read()
-        return parse_proc(f"{stat}\n{os.sysconf('SC_CLK_TCK')}")[0]
+        return parse_proc(f"{stat.strip()}\n{os.sysconf('SC_CLK_TCK')}")[0]
     except FileNotFoundError:
         if os.path.isdir("/proc/self"):
             return None  # procfs, and no such process
