@@ -158,8 +158,7 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
             restarted = True
         else:
             # A hung controller: replace it, but keep its workers for the new one to adopt.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            state.signal_controller(signal.SIGKILL)
             await _wait_gone(pid, DOWN_TIMEOUT_S)
     state.socket.unlink(missing_ok=True)  # a dead controller's socket would answer "refused"
     state.pid.unlink(missing_ok=True)
@@ -239,15 +238,18 @@ async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
 
     With ``keep_workers`` the workers (and the model tensors they cache) stay up for the next `up` to adopt.
     """
-    pid = state.controller_pid()
+    pid = state.controller_pid()  # None also when the pid file is stale: then nothing of it is signalled
     stopped_by_controller = False
     if pid is not None:
-        with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
+        try:
             answer = await ask(state, {"op": "down", "keep_workers": keep_workers})
             stopped_by_controller = answer.get("ok") is True
+        except (ConnectError, ConnectionError, json.JSONDecodeError):
+            # No socket yet: it started a moment ago (`up` was interrupted then). It handles SIGTERM like `down`
+            # from when it opens its socket, before it starts anything; until then SIGTERM simply ends it.
+            state.signal_controller(signal.SIGTERM)
         if not await _wait_gone(pid, DOWN_TIMEOUT_S):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            state.signal_controller(signal.SIGKILL)
     # The controller stops what it started; without one, find the workers ourselves (unless they stay).
     settled = stopped_by_controller or keep_workers
     result = DownResult([], []) if settled else await _stop_leftover_workers(state)

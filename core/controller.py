@@ -525,8 +525,7 @@ class Controller:
 
     async def _kill_worker(self, runtime: NodeRuntime) -> None:
         if runtime.spec is not None:
-            pid_file = shell_command([f"{runtime.spec.workdir}/worker.pid"])
-            await runtime.remote.run(f"kill -KILL $(cat {pid_file} 2>/dev/null) 2>/dev/null; true")
+            await worker.kill(runtime.remote, runtime.spec)
 
     async def _stopped_workers(self) -> list[NodeRuntime]:
         """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
@@ -1114,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
     state = StateDir(Path(args.state_dir))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
-    state.pid.write_text(str(os.getpid()))
+    state.write_pid()
     # The relays' thread (RPC to the workers) shares the GIL with this loop, which handles each token as the
     # coordinator starts the next one: a waiting thread gets the GIL after this interval at the latest (5 ms by
     # default). 0.2 ms: ssh decode +2-3% (paired rounds, two runs of 6 and 8).

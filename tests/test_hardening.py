@@ -92,7 +92,7 @@ def test_another_user_is_refused_even_when_the_permissions_let_it_in(cluster2: C
 ])
 def test_garbage_on_the_control_socket_is_answered_and_the_controller_serves_on(
         cluster2: Cluster, data: bytes, expected: bytes | None) -> None:
-    controller = int((cluster2.state / "controller.pid").read_text())
+    controller = cluster2.controller_pid()
     answer = control(cluster2, data)
     if expected is not None:
         assert expected in answer if expected else answer == b""

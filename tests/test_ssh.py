@@ -102,8 +102,7 @@ def test_controller_restart_adopts_ssh_workers_without_redeploying(world: SshWor
     try:
         cluster.cli("up")
         pids = [cluster.worker_pid(f"n{index}") for index in range(2)]
-        controller = (cluster.state / "controller.pid").read_text().strip()
-        os.kill(int(controller), signal.SIGKILL)
+        os.kill(cluster.controller_pid(), signal.SIGKILL)
         cluster.cli("up")
         assert [cluster.worker_pid(f"n{index}") for index in range(2)] == pids
         events = [event["message"] for event in cluster.status()["events"]]
