@@ -147,6 +147,24 @@ def test_ctrl_c_during_up_stops_what_it_started_and_the_next_up_works(short_tmp:
     assert gone(cluster)
 
 
+def test_down_as_the_controller_starts_its_nodes_leaves_no_worker_behind(short_tmp: Path) -> None:
+    """`down` (or Ctrl-C of `up`) can reach the controller while it is starting its workers: a start still
+    under way must not outlive the stop. Sent on the raw socket the moment it opens (the CLI takes longer
+    to load), with the `up` that started the controller gone, whose clean-up would mask it."""
+    cluster = Cluster(short_tmp, nodes=2)
+    try:
+        up = cluster.popen("up")
+        wait_for((cluster.state / "controller.pid").exists, what="the controller")
+        up.kill()
+        up.communicate(timeout=30)
+        while not (cluster.state / "control.sock").exists():
+            time.sleep(0.001)
+        assert control(cluster, b'{"op": "down"}\n') == b'{"ok": true}\n'
+        assert gone(cluster, timeout=10)
+    finally:
+        cluster.cli("down", check=False)
+
+
 def test_killed_up_is_finished_by_the_next_up(short_tmp: Path) -> None:
     cluster = Cluster(short_tmp, nodes=2)
     try:
