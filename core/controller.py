@@ -149,6 +149,7 @@ class NodeRuntime:
     status: NodeStatus
     spec: worker.WorkerSpec | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    starting: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its worker is started or stopped
     endpoint: tuple[str, int] | None = None  # the worker, as this machine reaches it
     relay: Relay | None = None
     relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay, or the worker itself
@@ -285,7 +286,10 @@ class Controller:
                 # Probing it would talk to somebody else's server as if it were ours.
                 raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
                                   "use by another process", "fix: stop that process or set another rpc_port")
-            adopted = await worker.start(runtime.remote, spec)
+            async with runtime.starting:
+                if self._stopping:
+                    return  # `down` came first
+                adopted = await worker.start(runtime.remote, spec)
             self.record("worker", "adopted the running worker" if adopted else "worker started", name)
             direct = runtime.node.kind == "ssh" and runtime.node.transport == "direct"
             runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
@@ -913,7 +917,7 @@ class Controller:
                 process.kill()
                 await process.wait()
         if stop_workers:
-            await asyncio.gather(*(worker.stop(r.remote, r.spec) for r in self.nodes.values() if r.spec),
+            await asyncio.gather(*(self._stop_worker(runtime) for runtime in self.nodes.values()),
                                  return_exceptions=True)
         for rpc in self._rpc_remotes:
             await self._relays.run(rpc.close())
@@ -921,6 +925,13 @@ class Controller:
         for runtime in self.nodes.values():
             await runtime.remote.close()
         self.finished.set()
+
+
+    async def _stop_worker(self, runtime: NodeRuntime) -> None:
+        # A start under way finishes first, so that its worker is stopped too; none begins after `_stopping`.
+        async with runtime.starting:
+            if runtime.spec is not None:
+                await worker.stop(runtime.remote, runtime.spec)
 
 
 async def _drain(messages: asyncio.Queue[dict[str, Any]], until: Callable[[dict[str, Any]], bool],
