@@ -30,7 +30,7 @@ from typing import TextIO
 from core.errors import DeployError
 from core.inventory import BuildPath, Node
 from core.probe import NodeFacts, choose_backend, install_hint
-from core.remote import Remote, free_bytes, shell_command
+from core.remote import PIDS, Remote, free_bytes, shell_command
 from core.rpc import Version
 
 PACKAGE = "llama-cpp-python"
@@ -371,7 +371,7 @@ async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str,
     if plan.how in ("cached", "installed"):
         return plan
     home = f"{root}/bin/{plan.key}"
-    async with _node_lock(remote, f"{home}.lock"):
+    async with _node_lock(remote, f"{home}.lock", progress):
         if await _present(remote, home):
             return replace(plan, how="cached")
         if plan.how == "push":
@@ -398,21 +398,74 @@ async def _present(remote: Remote, home: str) -> bool:
     return found.code == 0
 
 
+# Holds a node's build lock for as long as we hold this command (see `_node_lock`); runs after pids.sh and
+# `lock=<path>`. It prints "held" once it holds the lock, "waiting PID" once while another process does, and
+# anything else is why it cannot take the lock.
+_LEASE = """
+held=
+# TERM from the follow's watcher; PIPE and HUP, which can come first, when the connection goes.
+trap '[ -z "$held" ] || rm -rf "$lock"; exit 0' TERM INT HUP PIPE
+stale() {  # the owner is gone, or its pid is another process by now; no owner (older versions): a minute old
+    if [ -f "$lock/owner" ]; then ! ours "$lock/owner" LEASE_MARKER >/dev/null
+    else [ -n "$(find "$lock" -maxdepth 0 -mmin +1 2>/dev/null)" ]; fi
+}
+mkdir -p "$(dirname "$lock")" 2>&1 || exit 1
+said=
+until problem=$(LC_ALL=C mkdir "$lock" 2>&1); do
+    case "$problem" in *"File exists"*) ;; *) echo "$problem"; exit 1;; esac
+    # Taken over by one process at a time, and only if still stale then: a lock taken anew is never removed.
+    if stale && mkdir "$lock.takeover" 2>/dev/null; then
+        if stale; then rm -rf "$lock"; fi
+        rmdir "$lock.takeover"
+        continue
+    fi
+    # A taker that died between those two lines leaves its folder behind.
+    [ -z "$(find "$lock.takeover" -maxdepth 0 -mmin +1 2>/dev/null)" ] || rmdir "$lock.takeover" 2>/dev/null
+    [ -n "$said" ] || { said=1; read -r owner _ < "$lock/owner" 2>/dev/null; echo "waiting ${owner:-}"; }
+    sleep 1
+done
+held=1
+record $$ > "$lock/owner.new" && mv "$lock/owner.new" "$lock/owner"
+echo held
+while :; do sleep 3600 & wait $!; done
+"""
+LEASE_MARKER = "ggml-cluster-build-lease"  # in the lease's own command line: what its owner file must name
+
+
 @asynccontextmanager
-async def _node_lock(remote: Remote, path: str, timeout: float = 3600.0) -> AsyncIterator[None]:
-    """One build per key per node at a time (nodes may share a machine); mkdir is atomic everywhere."""
-    quoted = shell_command([path])
-    deadline = time.monotonic() + timeout
-    while (await remote.run(f"mkdir -p \"$(dirname {quoted})\" && mkdir {quoted}")).code != 0:
-        # A lock older than the longest build was left by a killed build.
-        await remote.run(f"find {quoted} -maxdepth 0 -mmin +{int(timeout // 60)} -exec rmdir {{}} \\;")
-        if time.monotonic() > deadline:
-            raise DeployError(f"node {remote.name}: another build holds {path}", f"remove {path} if none runs")
-        await asyncio.sleep(1.0)
+async def _node_lock(remote: Remote, path: str, progress: Progress, timeout: float = 3600.0
+                     ) -> AsyncIterator[None]:
+    """One build per key per node at a time (nodes may share a machine), as a lease: a process on the node,
+    tied to our connection, holds the lock folder and records itself in it as its owner (pid and start). It
+    removes the lock when we let go, and when we are interrupted or die (the connection closes). A lock whose
+    owner is dead, or whose pid names another process by now, is taken over at once."""
+    script = f"{PIDS}\n: {LEASE_MARKER}\nlock={shell_command([path])}\n" + _LEASE.replace(
+        "LEASE_MARKER", shell_command([LEASE_MARKER]))
+    lease = remote.follow(script)
     try:
+        try:
+            async with asyncio.timeout(timeout):
+                await _take(lease, remote.name, path, progress)
+        except TimeoutError:
+            raise DeployError(f"node {remote.name}: another build has held {path} for {timeout / 60:.0f} "
+                              "minutes", "let it finish, or stop it") from None
         yield
     finally:
-        await remote.run(f"rmdir {quoted}")
+        await lease.aclose()
+
+
+async def _take(lease: AsyncIterator[str], node: str, path: str, progress: Progress) -> None:
+    """Read the lease's lines until it holds the lock."""
+    problems: list[str] = []
+    async for line in lease:
+        if line == "held":
+            return
+        if line.startswith("waiting"):
+            owner = line.removeprefix("waiting").strip()
+            progress(f"waiting for another build on {node}" + (f" (pid {owner})" if owner else ""), None)
+        else:
+            problems.append(line)
+    raise DeployError(f"node {node}: cannot take the build lock {path}: {'; '.join(problems) or 'no answer'}")
 
 
 async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, backend: str,

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import DeployError
-from core.remote import Remote, shell_command
+from core.remote import PIDS, Remote, shell_command
 
-# Shell functions that check a pid file before anything is signalled; the supervisor uses them to write one.
-PIDS = Path(__file__).with_name("pids.sh").read_text()
+# The supervisor writes its pid files with pids.sh's functions.
 SUPERVISOR = PIDS + Path(__file__).with_name("supervise.sh").read_text()
 # Five exits within a minute is a crash loop, not bad luck.
 CRASH_LOOP_EXITS = 5

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from core.remote import PIDS
 from core.state import PidRecord, StateDir, process_start
-from core.worker import PIDS
 
 
 @pytest.fixture
