@@ -107,7 +107,10 @@ def test_a_nodes_build_lock_is_a_lease_that_the_next_build_waits_for(tmp_path: P
                     order.append("b")
 
             waiting = asyncio.create_task(second())
-            await asyncio.sleep(1.5)
+            for _ in range(400):  # until the second one says that it waits
+                if said:
+                    break
+                await asyncio.sleep(0.05)
             order.append("a")
         await waiting
         return order, owner.pid
