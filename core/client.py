@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.build import TARGET, Progress, cache_dir, cached_worker, decide_deployment, node_root, worker_binary
-from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, read_launch, worker_dir
+from core.build import TARGET, Progress, cache_dir, decide_deployment, node_root, worker_binary
+from core.controller import PARALLEL_NODES, Launch, deployable, local_cpu_flags, read_launch, worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
@@ -310,7 +310,7 @@ class NodeCheck:
     hardware: str = ""   # cores, memory, GPUs
     backend: str = ""
     reason: str = ""     # why that backend
-    worker: str = ""     # cached | push | remote | installed | local build
+    worker: str = ""     # cached | push | remote | installed | build here (a local node)
     port: str = ""       # free | used by this cluster's worker | …
     problem: str = ""    # empty when the node is good to go
 
@@ -337,12 +337,9 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
                 row = replace(row, system=f"{facts.os.system}/{facts.arch}",
                               hardware=f"{facts.cpu.cores} cores, {facts.memory.total / (1 << 30):.1f} GiB"
                               + (f", {gpus}" if gpus else ""))
-                if node.kind == "local":
-                    row = replace(row, backend="cpu", reason="local nodes run this machine's cpu build",
-                                  worker="cached" if cached_worker() else "build here")
-                else:
-                    plan = await decide_deployment(remote, node, facts, node_root(remote, node.workdir), flags)
-                    row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
+                plan = await decide_deployment(remote, deployable(inventory, node), facts,
+                                               node_root(remote, node.workdir), flags)
+                row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
                 ours = await worker.running_supervisor(remote, _folder_spec(inventory, node, state, remote)) is not None
                 used = await remote.port_open(node.rpc_port)
                 port = "used by this cluster's worker" if ours else "in use by another process" if used else "free"

@@ -120,12 +120,12 @@ def local_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch, remote: Remote
-              ) -> worker.WorkerSpec:
-    """How a local node's worker is run: the built binary, or the node's own ``build: {path: …}``."""
-    binary = inventory.resolve(node.build.path) if isinstance(node.build, BuildPath) else Path(launch.binary)
-    return worker.WorkerSpec(node=node.name, workdir=worker_dir(inventory, node, state, remote), binary=str(binary),
-                             port=node.rpc_port, threads=node.threads, cache=str(state.worker_cache))
+def deployable(inventory: Inventory, node: Node) -> Node:
+    """The node as deployment sees it: a local node's ``build: {path: …}`` resolved like every other path of
+    the inventory (an SSH node's path is the node's)."""
+    if node.kind == "local" and isinstance(node.build, BuildPath):
+        return node.model_copy(update={"build": BuildPath(path=str(inventory.resolve(node.build.path)))})
+    return node
 
 
 @dataclass
@@ -165,12 +165,10 @@ class Controller:
         self.model: ModelFacts = read_model(Path(launch.model))
         self.nodes: dict[str, NodeRuntime] = {}
         for node in inventory.nodes:
-            local = node.kind == "local"
             self.nodes[node.name] = NodeRuntime(
                 node=node, remote=remote_for(node),
                 status=NodeStatus(name=node.name, host=node.host or "localhost", kind=node.kind,
-                                  rpc_port=node.rpc_port, arch=platform.machine() if local else "",
-                                  backend="cpu" if local else ""))
+                                  rpc_port=node.rpc_port))
         self._parallel = asyncio.Semaphore(PARALLEL_NODES)
         self._relays = RelayHost()
         self._rpc_remotes: list[SshRemote] = []  # the SSH nodes' RPC connections, on the relays' loop
@@ -351,10 +349,8 @@ class Controller:
             self.notify()
 
     async def _prepare(self, runtime: NodeRuntime) -> worker.WorkerSpec:
-        """Reach, probe and deploy an ssh node; a local node runs the binary `up` built."""
+        """Reach, probe and deploy a node; a local node's worker is this machine's build for its backend."""
         node, status, remote = runtime.node, runtime.status, runtime.remote
-        if node.kind == "local":
-            return node_spec(self.inventory, node, self.state, self.launch, remote)
         status.state = NodeState.CONNECTING
         self.notify()
         loop = asyncio.get_running_loop()
@@ -368,16 +364,19 @@ class Controller:
             status.arch = facts.arch
             status.state = NodeState.DEPLOYING
             self.notify()
-            deployment = await deploy_worker(remote, node, facts, node_root(remote, node.workdir),
-                                             local_flags=self._local_flags, progress=progress)
+            deployment = await deploy_worker(remote, deployable(self.inventory, node), facts,
+                                             node_root(remote, node.workdir), local_flags=self._local_flags,
+                                             progress=progress)
         status.backend = deployment.backend
         status.detail = f"{deployment.reason}; worker {deployment.how}"
         status.progress = None
         status.last_status = ""  # it held deployment progress
         self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
+        direct = node.kind == "ssh" and node.transport == "direct"
         return worker.WorkerSpec(node=node.name, workdir=worker_dir(self.inventory, node, self.state, remote),
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,
-                                 bind=node.host if node.transport == "direct" else "127.0.0.1")
+                                 bind=node.host if direct and node.host else "127.0.0.1",
+                                 cache=str(self.state.worker_cache) if node.kind == "local" else None)
 
     def _show_progress(self, runtime: NodeRuntime, message: str, fraction: float | None) -> None:
         runtime.status.last_status = message

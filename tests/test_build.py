@@ -18,6 +18,7 @@ from core.build import (
     build_key,
     cache_dir,
     cached_worker,
+    failure_reason,
     parse_progress,
     parse_protocol,
     pinned_version,
@@ -27,7 +28,7 @@ from core.errors import DeployError
 from core.remote import LocalRemote
 from core.rpc import Version
 from core.state import PidRecord
-from tests.harness import alive, small_disk
+from tests.harness import FIXTURES, alive, small_disk
 
 HEADER = """#pragma once
 #define RPC_PROTO_MAJOR_VERSION    7
@@ -134,3 +135,22 @@ def test_a_followed_command_ends_with_its_whole_process_group() -> None:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize(("capture", "reason"), [
+    ("cmake-configure_vulkan-sdk-missing_debian12-cmake3.25.txt",
+     "Could NOT find Vulkan (missing: Vulkan_LIBRARY Vulkan_INCLUDE_DIR glslc)"),
+    ("cmake-configure_cuda-no-gpu-no-cublas_debian12-cmake3.25.txt",
+     'CUDA_ARCHITECTURES is set to "native", but no GPU was detected.'),
+])
+def test_why_a_configure_failed_is_cmakes_message_not_its_last_error_line(capture: str, reason: str) -> None:
+    """Real output of configuring the worker project (Debian 12, cmake 3.25, no Vulkan SDK; CUDA 13 without a
+    GPU or cuBLAS), whose last line with "error" in it is "-- Configuring incomplete, errors occurred!"."""
+    lines = (FIXTURES / "cmake" / capture).read_text().splitlines()
+    assert failure_reason(lines) == reason
+
+
+def test_why_a_compile_failed_is_the_last_error_line() -> None:
+    lines = ["[3/40] Building CXX object a.o", "/src/a.cpp:1:1: error: 'x' was not declared", "ninja: build stopped"]
+    assert failure_reason(lines) == "/src/a.cpp:1:1: error: 'x' was not declared"
+    assert failure_reason(["[1/2] ok"]) is None
