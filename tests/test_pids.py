@@ -7,18 +7,29 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from core.remote import PIDS
-from core.state import PidRecord, StateDir, process_start
+from core.state import PidRecord, StateDir, process_command, process_start
+
+
+def started(argv: list[str]) -> subprocess.Popen[bytes]:
+    """``argv`` running, once its command line is its own (until it execs, a child has its parent's)."""
+    process = subprocess.Popen(argv)
+    deadline = time.monotonic() + 10
+    while process_command(process.pid) != " ".join(argv):
+        assert time.monotonic() < deadline, f"{argv} did not start"
+        time.sleep(0.01)
+    return process
 
 
 @pytest.fixture
 def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(["sleep", "300"])
+    process = started(["sleep", "300"])
     yield process
     process.kill()
     process.wait()
@@ -76,8 +87,7 @@ def test_the_controllers_pid_file_names_it_only_with_its_state_dir(tmp_path: Pat
     assert state.controller_pid() is None and state.signal_controller(0) is False
     # A process whose command line is a controller's: of this state dir, and of one whose name starts alike.
     for root, ours in ((state.root, True), (tmp_path / "state2", False)):
-        stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "core.controller",
-                                     str(root)])
+        stand_in = started([sys.executable, "-c", "import time; time.sleep(60)", "-m", "core.controller", str(root)])
         try:
             state.pid.write_text(PidRecord.of(stand_in.pid).text())
             assert (state.controller_pid() == stand_in.pid) is ours
