@@ -20,7 +20,8 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from importlib import metadata
@@ -30,7 +31,7 @@ from typing import TextIO
 from core.errors import DeployError
 from core.inventory import BuildPath, Node
 from core.probe import NodeFacts, choose_backend, install_hint
-from core.remote import Remote, free_bytes, shell_command
+from core.remote import PIDS, Remote, free_bytes, shell_command
 from core.rpc import Version
 
 PACKAGE = "llama-cpp-python"
@@ -57,6 +58,7 @@ target_compile_features(ggml-rpc-server PRIVATE cxx_std_17)
 Progress = Callable[[str, float | None], None]
 # Less free space than this after a failed build means the build ran out of it (a CPU build needs ~15 MB).
 LOW_SPACE = 32 << 20
+OUTPUT_KEPT = 400  # lines of a build's output kept to find why it failed (a configure prints ~60)
 
 
 @dataclass(frozen=True)
@@ -255,9 +257,9 @@ def _compile(project: Path, key: str, backend: str, home: Path, manifest: str, *
     compile_ = ["cmake", "--build", str(build), "--target", TARGET, "--parallel", str(os.cpu_count() or 1)]
     with log_path.open("w") as log:
         report(f"configuring {key}", 0.0)
-        _run_logged(configure, log, log_path, lambda _line: None)
+        _run_logged(configure, log, log_path, lambda _line: None, backend)
         report(f"building {TARGET} ({key})", 0.0)
-        _run_logged(compile_, log, log_path, lambda line: _report_line(line, key, report))
+        _run_logged(compile_, log, log_path, lambda line: _report_line(line, key, report), backend)
     built = build / TARGET
     if not built.is_file():
         raise DeployError(f"the build finished but {built} is missing", f"see the build log {log_path}")
@@ -276,27 +278,39 @@ def _report_line(line: str, key: str, report: Progress) -> None:
         report(f"building {TARGET} ({key})", fraction)
 
 
-def _run_logged(command: list[str], log: TextIO, log_path: Path, on_line: Callable[[str], None]) -> None:
+def failure_reason(output: Iterable[str]) -> str | None:
+    """The line of a build's output that says why it failed: the message under CMake's first "CMake Error"
+    (e.g. "Could NOT find Vulkan (missing: glslc)"; its last error line is "Configuring incomplete, errors
+    occurred!"), else the last line that names an error (the compiler's)."""
+    lines = list(output)
+    for index, line in enumerate(lines):
+        if line.lstrip().startswith("CMake Error"):
+            return next((text.strip() for text in lines[index + 1:] if text.strip()), line.strip())
+    errors = [line.strip() for line in lines if "error" in line.lower()]
+    return errors[-1] if errors else None
+
+
+def _run_logged(command: list[str], log: TextIO, log_path: Path, on_line: Callable[[str], None],
+                backend: str) -> None:
     log.write("$ " + " ".join(command) + "\n")
     log.flush()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if process.stdout is None:
         raise DeployError(f"cannot read the output of {command[0]}")
-    tail: list[str] = []
+    tail: deque[str] = deque(maxlen=OUTPUT_KEPT)
     for line in process.stdout:
         log.write(line)
         on_line(line)
-        if "error" in line.lower():
-            tail.append(line.strip())
+        tail.append(line)
     code = process.wait()
     if code != 0:
-        reason = tail[-1] if tail else f"exit status {code}"
+        reason = failure_reason(tail) or f"exit status {code}"
         # Not every tool says so (ar: "unable to copy file; reason: Success"): look at the disk too.
         if "No space left on device" in "".join(tail) or shutil.disk_usage(log_path.parent).free < LOW_SPACE:
             reason = "the disk is full"
         hint = f"fix: free space or set ${CACHE_ENV} to a larger disk; see {log_path}" \
             if reason == "the disk is full" else f"see the build log {log_path}"
-        raise DeployError(f"building {TARGET} failed: {reason}", hint)
+        raise DeployError(f"building {TARGET} ({backend}) failed: {reason}", hint)
 
 
 @dataclass(frozen=True)
@@ -336,7 +350,8 @@ def node_root(remote: Remote, workdir: str | None) -> str:
 async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: str,
                             local_flags: frozenset[str]) -> Deployment:
     """How the node gets its worker, without changing anything: ``how`` is the plan
-    (cached | push | remote | installed); raises DeployError when no way works."""
+    (cached | push | remote | installed, and for a local node: cached | build here); raises DeployError when
+    no way works. A local node's ``build.path`` must be resolved already (against the inventory's folder)."""
     backend, reason = (node.backend, f"backend: {node.backend} in the inventory") if node.backend != "auto" \
         else choose_backend(facts)
     key = build_key(pinned_version(), backend, facts.os.system, facts.arch)
@@ -347,6 +362,12 @@ async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: 
             raise DeployError(f"node {node.name}: build.path {path} is not an executable file on the node",
                               "fix: install ggml-rpc-server there or use build: auto")
         return Deployment(path, key, backend, "installed", reason)
+    if node.kind == "local":  # this machine's own build for that backend, in its cache
+        found = cached_worker(backend)
+        if found is not None:
+            return Deployment(str(found.path), key, backend, "cached", reason)
+        _check_toolchain(node, facts)
+        return Deployment(str(cache_dir() / "bin" / key / TARGET), key, backend, "build here", reason)
     binary = f"{root}/bin/{key}/{TARGET}"
     if await _present(remote, f"{root}/bin/{key}"):
         return Deployment(binary, key, backend, "cached", reason)
@@ -356,12 +377,16 @@ async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: 
         raise DeployError(f"node {node.name}: cannot push this machine's build: {refusal}",
                           "fix: use build: remote (or auto) to build on the node")
     if mode == "remote":
-        missing = [tool for tool, found in (("cmake", facts.toolchain.cmake), ("c++", facts.toolchain.cxx))
-                   if not found]
-        if missing:
-            raise DeployError(f"node {node.name}: {' and '.join(missing)} not found, needed to build the worker "
-                              "there", f"fix: {install_hint(facts.os, missing[0])}")
+        _check_toolchain(node, facts)
     return Deployment(binary, key, backend, mode, reason)
+
+
+def _check_toolchain(node: Node, facts: NodeFacts) -> None:
+    """Raise DeployError naming what the node lacks to build its worker, and how to install it."""
+    missing = [tool for tool, found in (("cmake", facts.toolchain.cmake), ("c++", facts.toolchain.cxx)) if not found]
+    if missing:
+        raise DeployError(f"node {node.name}: {' and '.join(missing)} not found, needed to build the worker there",
+                          f"fix: {install_hint(facts.os, missing[0])}")
 
 
 async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str, *, local_flags: frozenset[str],
@@ -370,8 +395,14 @@ async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str,
     plan = await decide_deployment(remote, node, facts, root, local_flags)
     if plan.how in ("cached", "installed"):
         return plan
+    if node.kind == "local":
+        try:
+            built = await asyncio.to_thread(worker_binary, plan.backend, progress)
+        except DeployError as exc:
+            raise DeployError(f"node {node.name}: {exc.message}", exc.hint) from None
+        return replace(plan, binary=str(built.path), how="built")
     home = f"{root}/bin/{plan.key}"
-    async with _node_lock(remote, f"{home}.lock"):
+    async with _node_lock(remote, f"{home}.lock", progress):
         if await _present(remote, home):
             return replace(plan, how="cached")
         if plan.how == "push":
@@ -398,21 +429,74 @@ async def _present(remote: Remote, home: str) -> bool:
     return found.code == 0
 
 
+# Holds a node's build lock for as long as we hold this command (see `_node_lock`); runs after pids.sh and
+# `lock=<path>`. It prints "held" once it holds the lock, "waiting PID" once while another process does, and
+# anything else is why it cannot take the lock.
+_LEASE = """
+held=
+# TERM from the follow's watcher; PIPE and HUP, which can come first, when the connection goes.
+trap '[ -z "$held" ] || rm -rf "$lock"; exit 0' TERM INT HUP PIPE
+stale() {  # the owner is gone, or its pid is another process by now; no owner (older versions): a minute old
+    if [ -f "$lock/owner" ]; then ! ours "$lock/owner" LEASE_MARKER >/dev/null
+    else [ -n "$(find "$lock" -maxdepth 0 -mmin +1 2>/dev/null)" ]; fi
+}
+mkdir -p "$(dirname "$lock")" 2>&1 || exit 1
+said=
+until problem=$(LC_ALL=C mkdir "$lock" 2>&1); do
+    case "$problem" in *"File exists"*) ;; *) echo "$problem"; exit 1;; esac
+    # Taken over by one process at a time, and only if still stale then: a lock taken anew is never removed.
+    if stale && mkdir "$lock.takeover" 2>/dev/null; then
+        if stale; then rm -rf "$lock"; fi
+        rmdir "$lock.takeover"
+        continue
+    fi
+    # A taker that died between those two lines leaves its folder behind.
+    [ -z "$(find "$lock.takeover" -maxdepth 0 -mmin +1 2>/dev/null)" ] || rmdir "$lock.takeover" 2>/dev/null
+    [ -n "$said" ] || { said=1; read -r owner _ < "$lock/owner" 2>/dev/null; echo "waiting ${owner:-}"; }
+    sleep 1
+done
+held=1
+record $$ > "$lock/owner.new" && mv "$lock/owner.new" "$lock/owner"
+echo held
+while :; do sleep 3600 & wait $!; done
+"""
+LEASE_MARKER = "ggml-cluster-build-lease"  # in the lease's own command line: what its owner file must name
+
+
 @asynccontextmanager
-async def _node_lock(remote: Remote, path: str, timeout: float = 3600.0) -> AsyncIterator[None]:
-    """One build per key per node at a time (nodes may share a machine); mkdir is atomic everywhere."""
-    quoted = shell_command([path])
-    deadline = time.monotonic() + timeout
-    while (await remote.run(f"mkdir -p \"$(dirname {quoted})\" && mkdir {quoted}")).code != 0:
-        # A lock older than the longest build was left by a killed build.
-        await remote.run(f"find {quoted} -maxdepth 0 -mmin +{int(timeout // 60)} -exec rmdir {{}} \\;")
-        if time.monotonic() > deadline:
-            raise DeployError(f"node {remote.name}: another build holds {path}", f"remove {path} if none runs")
-        await asyncio.sleep(1.0)
+async def _node_lock(remote: Remote, path: str, progress: Progress, timeout: float = 3600.0
+                     ) -> AsyncIterator[None]:
+    """One build per key per node at a time (nodes may share a machine), as a lease: a process on the node,
+    tied to our connection, holds the lock folder and records itself in it as its owner (pid and start). It
+    removes the lock when we let go, and when we are interrupted or die (the connection closes). A lock whose
+    owner is dead, or whose pid names another process by now, is taken over at once."""
+    script = f"{PIDS}\n: {LEASE_MARKER}\nlock={shell_command([path])}\n" + _LEASE.replace(
+        "LEASE_MARKER", shell_command([LEASE_MARKER]))
+    lease = remote.follow(script)
     try:
+        try:
+            async with asyncio.timeout(timeout):
+                await _take(lease, remote.name, path, progress)
+        except TimeoutError:
+            raise DeployError(f"node {remote.name}: another build has held {path} for {timeout / 60:.0f} "
+                              "minutes", "let it finish, or stop it") from None
         yield
     finally:
-        await remote.run(f"rmdir {quoted}")
+        await lease.aclose()
+
+
+async def _take(lease: AsyncIterator[str], node: str, path: str, progress: Progress) -> None:
+    """Read the lease's lines until it holds the lock."""
+    problems: list[str] = []
+    async for line in lease:
+        if line == "held":
+            return
+        if line.startswith("waiting"):
+            owner = line.removeprefix("waiting").strip()
+            progress(f"waiting for another build on {node}" + (f" (pid {owner})" if owner else ""), None)
+        else:
+            problems.append(line)
+    raise DeployError(f"node {node}: cannot take the build lock {path}: {'; '.join(problems) or 'no answer'}")
 
 
 async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, backend: str,
@@ -439,18 +523,19 @@ async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, bac
         f"tee {q([log])}"
     )
     progress(f"building {TARGET} on {node.name}", 0.0)
-    code, errors = None, []
+    code, tail = None, deque[str](maxlen=OUTPUT_KEPT)
     async for line in remote.follow(f"sh -c {q([script])}"):
         if line.startswith("==exit "):
             code = int(line.split()[1])
-        elif "error" in line.lower():
-            errors.append(line.strip())
+        else:
+            tail.append(line)
         fraction = parse_progress(line)
         if fraction is not None:
             progress(f"building {TARGET} on {node.name}", fraction)
     if code != 0:
-        full = any("No space left" in e for e in errors) or (await free_bytes(remote, root) or LOW_SPACE) < LOW_SPACE
-        reason = "the disk is full" if full else (errors[-1] if errors else f"exit status {code}")
-        raise DeployError(f"node {node.name}: building {TARGET} failed: {reason}",
+        full = any("No space left" in line for line in tail) or \
+            (await free_bytes(remote, root) or LOW_SPACE) < LOW_SPACE
+        reason = "the disk is full" if full else (failure_reason(tail) or f"exit status {code}")
+        raise DeployError(f"node {node.name}: building {TARGET} ({backend}) failed: {reason}",
                           f"fix: free space on the node or set its workdir to a larger disk; see {log} there"
                           if full else f"see {log} on the node")

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from core import worker
-from core.build import TARGET, Progress, cache_dir, cached_worker, decide_deployment, node_root, worker_binary
-from core.controller import PARALLEL_NODES, Launch, local_cpu_flags, read_launch, worker_dir
+from core.build import TARGET, Progress, cache_dir, decide_deployment, node_root, worker_binary
+from core.controller import PARALLEL_NODES, Launch, deployable, local_cpu_flags, read_launch, worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError, PromptError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
@@ -163,8 +163,7 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
             restarted = True
         else:
             # A hung controller: replace it, but keep its workers for the new one to adopt.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            state.signal_controller(signal.SIGKILL)
             await _wait_gone(pid, DOWN_TIMEOUT_S)
     state.socket.unlink(missing_ok=True)  # a dead controller's socket would answer "refused"
     state.pid.unlink(missing_ok=True)
@@ -267,17 +266,20 @@ async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
 
     With ``keep_workers`` the workers (and the model tensors they cache) stay up for the next `up` to adopt.
     """
-    pid = state.controller_pid()
+    pid = state.controller_pid()  # None also when the pid file is stale: then nothing of it is signalled
     stopped_by_controller = False
     left: list[str] = []
     if pid is not None:
-        with contextlib.suppress(ConnectError, ConnectionError, json.JSONDecodeError):
+        try:
             answer = await ask(state, {"op": "down", "keep_workers": keep_workers})
             stopped_by_controller = answer.get("ok") is True
             left = [str(line) for line in answer.get("left_running") or []]
+        except (ConnectError, ConnectionError, json.JSONDecodeError):
+            # No socket yet: it started a moment ago (`up` was interrupted then). It handles SIGTERM like `down`
+            # from when it opens its socket, before it starts anything; until then SIGTERM simply ends it.
+            state.signal_controller(signal.SIGTERM)
         if not await _wait_gone(pid, DOWN_TIMEOUT_S):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            state.signal_controller(signal.SIGKILL)
     # The controller stops what it started; without one, find the workers ourselves (unless they stay).
     settled = stopped_by_controller or keep_workers
     result = DownResult([], [], left) if settled else await _stop_leftover_workers(state)
@@ -338,7 +340,7 @@ class NodeCheck:
     hardware: str = ""   # cores, memory, GPUs
     backend: str = ""
     reason: str = ""     # why that backend
-    worker: str = ""     # cached | push | remote | installed | local build
+    worker: str = ""     # cached | push | remote | installed | build here (a local node)
     port: str = ""       # free | used by this cluster's worker | …
     problem: str = ""    # empty when the node is good to go
 
@@ -365,12 +367,9 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
                 row = replace(row, system=f"{facts.os.system}/{facts.arch}",
                               hardware=f"{facts.cpu.cores} cores, {facts.memory.total / (1 << 30):.1f} GiB"
                               + (f", {gpus}" if gpus else ""))
-                if node.kind == "local":
-                    row = replace(row, backend="cpu", reason="local nodes run this machine's cpu build",
-                                  worker="cached" if cached_worker() else "build here")
-                else:
-                    plan = await decide_deployment(remote, node, facts, node_root(remote, node.workdir), flags)
-                    row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
+                plan = await decide_deployment(remote, deployable(inventory, node), facts,
+                                               node_root(remote, node.workdir), flags)
+                row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
                 ours = await worker.running_supervisor(remote, _folder_spec(inventory, node, state, remote)) is not None
                 used = await remote.port_open(node.rpc_port)
                 port = "used by this cluster's worker" if ours else "in use by another process" if used else "free"

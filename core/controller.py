@@ -148,12 +148,12 @@ def local_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def node_spec(inventory: Inventory, node: Node, state: StateDir, launch: Launch, remote: Remote
-              ) -> worker.WorkerSpec:
-    """How a local node's worker is run: the built binary, or the node's own ``build: {path: …}``."""
-    binary = inventory.resolve(node.build.path) if isinstance(node.build, BuildPath) else Path(launch.binary)
-    return worker.WorkerSpec(node=node.name, workdir=worker_dir(inventory, node, state, remote), binary=str(binary),
-                             port=node.rpc_port, threads=node.threads, cache=str(state.worker_cache))
+def deployable(inventory: Inventory, node: Node) -> Node:
+    """The node as deployment sees it: a local node's ``build: {path: …}`` resolved like every other path of
+    the inventory (an SSH node's path is the node's)."""
+    if node.kind == "local" and isinstance(node.build, BuildPath):
+        return node.model_copy(update={"build": BuildPath(path=str(inventory.resolve(node.build.path)))})
+    return node
 
 
 @dataclass
@@ -177,6 +177,7 @@ class NodeRuntime:
     status: NodeStatus
     spec: worker.WorkerSpec | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    starting: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its worker is started or stopped
     endpoint: tuple[str, int] | None = None  # the worker, as this machine reaches it
     relay: Relay | None = None
     relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay, or the worker itself
@@ -200,12 +201,10 @@ class Controller:
         self.model: ModelFacts = read_model(Path(launch.model))
         self.nodes: dict[str, NodeRuntime] = {}
         for node in inventory.nodes:
-            local = node.kind == "local"
             self.nodes[node.name] = NodeRuntime(
                 node=node, remote=remote_for(node),
                 status=NodeStatus(name=node.name, host=node.host or "localhost", kind=node.kind,
-                                  rpc_port=node.rpc_port, arch=platform.machine() if local else "",
-                                  backend="cpu" if local else ""))
+                                  rpc_port=node.rpc_port))
         self._parallel = asyncio.Semaphore(PARALLEL_NODES)
         self._relays = RelayHost()
         self._rpc_remotes: list[SshRemote] = []  # the SSH nodes' RPC connections, on the relays' loop
@@ -360,7 +359,10 @@ class Controller:
             # Probing it would talk to somebody else's server as if it were ours.
             raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
                               "use by another process", "fix: stop that process or set another rpc_port")
-        adopted = await worker.start(runtime.remote, spec)
+        async with runtime.starting:
+            if self._stopping:
+                return  # `down` came first
+            adopted = await worker.start(runtime.remote, spec)
         self.record("worker", "adopted the running worker" if adopted else "worker started", name)
         await self._connect_worker(runtime)
         if not runtime.sampling:
@@ -497,10 +499,8 @@ class Controller:
             self.notify()
 
     async def _prepare(self, runtime: NodeRuntime) -> worker.WorkerSpec:
-        """Reach, probe and deploy an ssh node; a local node runs the binary `up` built."""
+        """Reach, probe and deploy a node; a local node's worker is this machine's build for its backend."""
         node, status, remote = runtime.node, runtime.status, runtime.remote
-        if node.kind == "local":
-            return node_spec(self.inventory, node, self.state, self.launch, remote)
         status.state = NodeState.CONNECTING
         self.notify()
         loop = asyncio.get_running_loop()
@@ -514,16 +514,19 @@ class Controller:
             status.arch = facts.arch
             status.state = NodeState.DEPLOYING
             self.notify()
-            deployment = await deploy_worker(remote, node, facts, node_root(remote, node.workdir),
-                                             local_flags=self._local_flags, progress=progress)
+            deployment = await deploy_worker(remote, deployable(self.inventory, node), facts,
+                                             node_root(remote, node.workdir), local_flags=self._local_flags,
+                                             progress=progress)
         status.backend = deployment.backend
         status.detail = f"{deployment.reason}; worker {deployment.how}"
         status.progress = None
         status.last_status = ""  # it held deployment progress
         self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
+        direct = node.kind == "ssh" and node.transport == "direct"
         return worker.WorkerSpec(node=node.name, workdir=worker_dir(self.inventory, node, self.state, remote),
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,
-                                 bind=node.host if node.transport == "direct" else "127.0.0.1")
+                                 bind=node.host if direct and node.host else "127.0.0.1",
+                                 cache=str(self.state.worker_cache) if node.kind == "local" else None)
 
     def _show_progress(self, runtime: NodeRuntime, message: str, fraction: float | None) -> None:
         runtime.status.last_status = message
@@ -701,8 +704,7 @@ class Controller:
 
     async def _kill_worker(self, runtime: NodeRuntime) -> None:
         if runtime.spec is not None:
-            pid_file = shell_command([f"{runtime.spec.workdir}/worker.pid"])
-            await runtime.remote.run(f"kill -KILL $(cat {pid_file} 2>/dev/null) 2>/dev/null; true")
+            await worker.kill(runtime.remote, runtime.spec)
 
     async def _stopped_workers(self) -> list[NodeRuntime]:
         """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
@@ -1190,8 +1192,10 @@ class Controller:
         self._stopping = True
         self.record("down", "stopping the cluster")
         for runtime in self.nodes.values():
-            if runtime.task is not None:
-                runtime.task.cancel()
+            # A worker start under way finishes first, so that its worker is stopped too; none begins after.
+            async with runtime.starting:
+                if runtime.task is not None:
+                    runtime.task.cancel()
         process = self._process
         if process is not None and process.returncode is None:
             if process.stdin is not None:
@@ -1419,7 +1423,7 @@ def main(argv: list[str] | None = None) -> int:
     state = StateDir(Path(args.state_dir))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
-    state.pid.write_text(str(os.getpid()))
+    state.write_pid()
     # The relays' thread (RPC to the workers) shares the GIL with this loop, which handles each token as the
     # coordinator starts the next one: a waiting thread gets the GIL after this interval at the latest (5 ms by
     # default). 0.2 ms: ssh decode +2-3% (paired rounds, two runs of 6 and 8).

@@ -52,8 +52,8 @@ def sample_command(workdir: str, backend: str) -> str:
                                      " || /opt/rocm/bin/rocm-smi --showuse --showmeminfo vram --csv"))
     folder = shell_command([workdir])
     # `read`, not $(cat …): no subshell and no process of its own next to the decode. Its status is
-    # ignored: a pid file without a final newline still sets the variable.
-    return (f'pid=; {{ read -r pid < {folder}/worker.pid; }} 2>/dev/null; [ -n "$pid" ] || exit 0\n'
+    # ignored: a pid file without a final newline still sets the variable. The file is "PID START".
+    return (f'pid=; {{ read -r pid _ < {folder}/worker.pid; }} 2>/dev/null; [ -n "$pid" ] || exit 0\n'
             f'{make_script(sections)}')
 
 

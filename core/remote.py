@@ -15,7 +15,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +43,22 @@ async def free_bytes(remote: Remote, folder: str) -> int | None:
     return None
 
 
+# Shell functions that check a pid file before anything is signalled (process identity on a node).
+PIDS = Path(__file__).with_name("pids.sh").read_text()
+
+
 def tied_to_reader(command: str) -> str:
     """Run ``command`` until it ends or our end of its stdin closes (we stopped reading, or died).
 
-    A watcher reads stdin (saved on fd 3: background jobs get /dev/null) and kills the command at EOF,
-    so a `tail -F` never outlives the controller that followed it.
+    The command runs in a process group of its own (setsid; where there is none, job control), and a
+    watcher reading stdin (saved on fd 3: background jobs get /dev/null) kills that whole group at EOF, so
+    neither a `tail -F` nor a build's compilers outlive the controller that followed them.
     """
-    return (f"exec 3<&0; {command} </dev/null & follower=$!; "
-            "(cat <&3 >/dev/null 2>&1; kill $follower 2>/dev/null) >/dev/null 2>&1 & wait $follower")
+    inner = shell_command(["sh", "-c", command])
+    return ("exec 3<&0; if command -v setsid >/dev/null 2>&1; then "
+            f"setsid {inner} </dev/null & else set -m 2>/dev/null; {inner} </dev/null & fi; follower=$!; "
+            '(cat <&3 >/dev/null 2>&1; kill -TERM -"$follower" 2>/dev/null || kill -TERM "$follower" 2>/dev/null) '
+            '>/dev/null 2>&1 & wait "$follower"')
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,8 @@ class Remote(Protocol):
         """Run a shell command to completion, with ``stdin`` as its input."""
         ...
 
-    def follow(self, command: str) -> AsyncIterator[str]:
-        """Run a long-lived shell command and yield its output lines until it ends."""
+    def follow(self, command: str) -> AsyncGenerator[str, None]:
+        """Run a long-lived shell command and yield its output lines until it ends (or we close it)."""
         ...
 
     async def upload(self, source: Path, destination: str, mode: int = 0o644) -> None:
@@ -130,7 +138,7 @@ class LocalRemote:
         return CommandResult(done.returncode, done.stdout.decode(errors="replace"),
                              done.stderr.decode(errors="replace"))
 
-    async def follow(self, command: str) -> AsyncIterator[str]:
+    async def follow(self, command: str) -> AsyncGenerator[str, None]:
         """Run a long-lived shell command and yield its output lines until it ends."""
         process = subprocess.Popen(["/bin/sh", "-c", tied_to_reader(command)], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -331,7 +339,7 @@ class SshRemote:
         code = result.exit_status if result.exit_status is not None else 255
         return CommandResult(code, str(result.stdout or ""), str(result.stderr or ""))
 
-    async def follow(self, command: str) -> AsyncIterator[str]:
+    async def follow(self, command: str) -> AsyncGenerator[str, None]:
         """Run a long-lived command on the node and yield its lines; it ends when we stop reading."""
         try:
             process = await self._connection().create_process(tied_to_reader(command))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from core.errors import ClusterError, InventoryError
 STATE_ENV = "GGML_CLUSTER_STATE_DIR"
 # sun_path holds 108 bytes on Linux (104 on macOS), terminator included.
 MAX_SOCKET_PATH = 103
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 def fingerprint(inventory_text: str, launch_text: str) -> str:
@@ -120,13 +123,103 @@ class StateDir:
         texts = [path.read_text() if path.is_file() else "" for path in (self.inventory, self.launch)]
         return fingerprint(*texts)
 
+    @property
+    def controller_marker(self) -> str:
+        """What the controller's command line holds (`python -m core.controller <this dir>`)."""
+        return f" -m core.controller {self.root} "
+
+    def write_pid(self) -> None:
+        """Record this process as the controller: its pid and start time, written whole or not at all."""
+        partial = self.pid.with_name(f".{self.pid.name}.{os.getpid()}")
+        partial.write_text(PidRecord.of(os.getpid()).text())
+        partial.replace(self.pid)
+
     def controller_pid(self) -> int | None:
-        """The pid in the pid file if that process is alive, else None."""
+        """The pid in the pid file if it still names this cluster's controller, else None (a stale file)."""
+        record = PidRecord.read(self.pid)
+        return record.pid if record is not None and record.running(self.controller_marker) else None
+
+    def signal_controller(self, signum: int) -> bool:
+        """Send ``signum`` to the controller if the pid file still names it; whether it was sent."""
+        record = PidRecord.read(self.pid)
+        return record is not None and record.signal(signum, self.controller_marker)
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    """A pid file's line, ``PID START``: a pid alone is not an identity, as a pid is reused (after a reboot,
+    by anybody's process). The same format and checks on the nodes: pids.sh."""
+
+    pid: int
+    start: str | None  # None: a file of the previous version, which recorded the pid alone
+
+    @classmethod
+    def of(cls, pid: int) -> PidRecord:
+        """The record of a running process."""
+        return cls(pid, process_start(pid))
+
+    @classmethod
+    def read(cls, path: Path) -> PidRecord | None:
+        """The record in a pid file; None when there is none or it is garbage."""
         try:
-            pid = int(self.pid.read_text().strip())
-        except (OSError, ValueError):
+            fields = path.read_text().split()
+        except OSError:
             return None
-        return pid if process_alive(pid) else None
+        if not fields or not fields[0].isdigit():
+            return None
+        return cls(int(fields[0]), fields[1] if len(fields) > 1 else None)
+
+    def text(self) -> str:
+        """The pid file's content."""
+        return f"{self.pid} {self.start or ''}\n"
+
+    def running(self, marker: str) -> bool:
+        """Whether the pid still names this process: alive, started when recorded (when recorded), and its
+        command line, spaces around it, holds ``marker``."""
+        if not process_alive(self.pid):
+            return False
+        if self.start is not None and process_start(self.pid) != self.start:
+            return False
+        command = process_command(self.pid)
+        return command is not None and marker in f" {command} "
+
+    def signal(self, signum: int, marker: str) -> bool:
+        """Send ``signum`` if the pid still names this process; whether it was sent."""
+        if not self.running(marker):
+            return False
+        try:
+            os.kill(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+def process_start(pid: int) -> str | None:
+    """When ``pid`` started, as one word (pids.sh's `started`): on Linux the boot id and the start time in
+    clock ticks since boot, elsewhere ps's lstart; None when it is not running."""
+    if BOOT_ID.exists():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return f"{BOOT_ID.read_text().strip()}:{fields[19]}"
+        except (OSError, IndexError):
+            return None
+    text = _ps(pid, "lstart=").replace(" ", "")
+    return text or None
+
+
+def process_command(pid: int) -> str | None:
+    """``pid``'s command line, arguments joined by spaces; None when it is not running."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    if Path("/proc/self/cmdline").exists():
+        return None
+    return _ps(pid, "args=") or None
+
+
+def _ps(pid: int, column: str) -> str:
+    """One column of ps for ``pid`` (macOS and the BSDs have no /proc); empty when it is not running."""
+    result = subprocess.run(["ps", "-ww", "-o", column, "-p", str(pid)], capture_output=True, text=True, check=False)
+    return result.stdout.strip() if result.returncode == 0 else ""
 
 
 def process_alive(pid: int) -> bool:

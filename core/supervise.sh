@@ -4,11 +4,12 @@
 # usage: supervise.sh DIR MAX_EXITS WINDOW_S MAX_BACKOFF_S COMMAND [ARG...]
 #   MAX_EXITS exits within WINDOW_S seconds is a crash loop: the supervisor records "failed" and stops.
 #   Restarts wait 1 s, then twice as long each time, up to MAX_BACKOFF_S; after a run of 10 s, 1 s again.
+# Installed with pids.sh before it (`record`: a pid file's "PID START" line, written whole by a rename).
 set -u
 dir=$1 max_exits=$2 window=$3 max_backoff=$4
 shift 4
 cd "$dir" || exit 1
-echo $$ > supervisor.pid
+record $$ > supervisor.pid.new && mv supervisor.pid.new supervisor.pid
 
 child=
 sleeper=
@@ -41,7 +42,7 @@ while :; do
     started=$(date +%s)
     "$@" >> worker.log 2>&1 < /dev/null &
     child=$!
-    echo "$child" > worker.pid
+    record "$child" > worker.pid.new && mv worker.pid.new worker.pid
     emit started ",\"pid\":$child,\"log_offset\":$((offset + 0))"
     wait "$child"
     code=$?

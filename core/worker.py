@@ -1,8 +1,9 @@
 """Start, adopt and stop a supervised ggml-rpc-server on a node, and read its event stream.
 
 The supervisor (supervise.sh) runs on the node, detached, so a worker outlives the controller and a
-later `up` adopts it. It writes into the worker's work dir: supervisor.pid, worker.pid, worker.log,
-events.jsonl, and `command` (what it runs, for adoption).
+later `up` adopts it. It writes into the worker's work dir: supervisor.pid, worker.pid (``PID START``, see
+pids.sh: a pid is signalled only while it still names that process), worker.log, events.jsonl, and
+`command` (what it runs, for adoption).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import DeployError
-from core.remote import Remote, shell_command
+from core.remote import PIDS, Remote, shell_command
 
-SUPERVISOR = Path(__file__).with_name("supervise.sh")
+# The supervisor writes its pid files with pids.sh's functions.
+SUPERVISOR = PIDS + Path(__file__).with_name("supervise.sh").read_text()
 # Five exits within a minute is a crash loop, not bad luck.
 CRASH_LOOP_EXITS = 5
 CRASH_LOOP_WINDOW_S = 60
@@ -49,6 +51,14 @@ class WorkerSpec:
         """The worker's command as the supervisor runs it; also its identity for adoption."""
         env = ["env", f"LLAMA_CACHE={self.cache}"] if self.cache else []
         return shell_command([*env, *self.argv()])
+
+    def supervisor_marker(self) -> str:
+        """What the supervisor's command line holds (`sh <workdir>/supervise.sh <workdir> …`)."""
+        return f" {self.workdir}/supervise.sh {self.workdir} "
+
+    def worker_marker(self) -> str:
+        """What the worker's command line holds, whichever binary it runs."""
+        return f" -p {self.port} -c"
 
     def supervisor_command(self) -> str:
         """Detached supervisor start: survives the controller and the SSH session that started it."""
@@ -136,17 +146,12 @@ def event_path(spec: WorkerSpec) -> str:
     return f"{spec.workdir}/events.jsonl"
 
 
-# `alive PID`: running and not a zombie (a killed process whose parent has not reaped it still answers
-# kill -0; where PID 1 does not reap, that lasts forever).
-ALIVE = 'alive() { s=$(ps -o stat= -p "$1" 2>/dev/null) && [ -n "$s" ] && case "$s" in Z*) false;; esac; }; '
-
-
 async def running_supervisor(remote: Remote, spec: WorkerSpec) -> tuple[int, str] | None:
-    """The live supervisor's pid and the worker command it runs, or None."""
+    """The live supervisor's pid and the worker command it runs, or None (also when supervisor.pid is stale)."""
     workdir = shell_command([spec.workdir])
     result = await remote.run(
-        f"{ALIVE}cd {workdir} 2>/dev/null && pid=$(cat supervisor.pid 2>/dev/null) && alive \"$pid\" "
-        "&& echo \"$pid\" && cat command")
+        f"{PIDS}\ncd {workdir} 2>/dev/null && sup=$(ours supervisor.pid {shell_command([spec.supervisor_marker()])})"
+        " && echo \"${sup%% *}\" && cat command")
     lines = result.stdout.splitlines()
     if result.code != 0 or not lines or not lines[0].isdigit():
         return None
@@ -164,14 +169,15 @@ async def start(remote: Remote, spec: WorkerSpec) -> bool:
     if current is not None:
         await stop(remote, spec)
     workdir = shell_command([spec.workdir])
-    # One round trip: make the folder, install the supervisor (sent on stdin), record the command, start,
-    # and wait (up to 5 s) for the supervisor to write its pid.
+    # One round trip: make the folder, install the supervisor (sent on stdin), record the command, drop pid
+    # files that name no process of ours (left by a reboot), start, and wait (up to 5 s) for the supervisor to
+    # write its pid.
     write = await remote.run(
         f"mkdir -p {workdir} && cd {workdir} && cat > supervise.sh.partial && chmod 755 supervise.sh.partial && "
         f"mv supervise.sh.partial supervise.sh && printf '%s' {shell_command([spec.command()])} > command && "
-        f"rm -f supervisor.pid && {spec.supervisor_command()} && "
+        f"rm -f supervisor.pid worker.pid && {spec.supervisor_command()} && "
         "i=0; while [ ! -s supervisor.pid ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done",
-        stdin=SUPERVISOR.read_text())
+        stdin=SUPERVISOR)
     if write.code != 0:
         raise DeployError(f"node {spec.node}: cannot start the worker in {spec.workdir}: "
                           f"{write.stderr.strip() or write.code}")
@@ -183,19 +189,28 @@ async def start(remote: Remote, spec: WorkerSpec) -> bool:
 
 
 async def stop(remote: Remote, spec: WorkerSpec, timeout: float = 10.0) -> None:
-    """Stop the supervisor and its worker; kill them if they do not stop within ``timeout``."""
+    """Stop the supervisor and its worker; kill them if they do not stop within ``timeout``. Only processes
+    that the pid files still name are signalled; the pid files go either way."""
     workdir = shell_command([spec.workdir])
     script = (
-        f"{ALIVE}cd {workdir} 2>/dev/null || exit 0; "
-        "sup=$(cat supervisor.pid 2>/dev/null); wrk=$(cat worker.pid 2>/dev/null); "
-        "[ -n \"$sup\" ] && kill -TERM \"$sup\" 2>/dev/null; "
+        f"{PIDS}\ncd {workdir} 2>/dev/null || exit 0\n"
+        f"sup=$(ours supervisor.pid {shell_command([spec.supervisor_marker()])}); "
+        f"wrk=$(ours worker.pid {shell_command([spec.worker_marker()])}); "
+        "send TERM \"$sup\"; "
         f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
-        "  busy=0; for p in $sup $wrk; do alive \"$p\" && busy=1; done; "
+        "  busy=0; for p in \"$sup\" \"$wrk\"; do [ -n \"$p\" ] && alive \"${p%% *}\" && busy=1; done; "
         "  [ $busy = 0 ] && break; sleep 0.1; i=$((i+1)); done; "
-        "for p in $sup $wrk; do kill -KILL \"$p\" 2>/dev/null; done; "
+        "send KILL \"$sup\"; send KILL \"$wrk\"; "
         "rm -f supervisor.pid worker.pid; exit 0"
     )
     await remote.run(script, timeout=timeout + 5)
+
+
+async def kill(remote: Remote, spec: WorkerSpec) -> None:
+    """Kill the worker (SIGKILL), for its supervisor to restart, if worker.pid still names it."""
+    workdir = shell_command([spec.workdir])
+    await remote.run(f"{PIDS}\ncd {workdir} 2>/dev/null && "
+                     f"send KILL \"$(ours worker.pid {shell_command([spec.worker_marker()])})\"; true")
 
 
 async def read_log(remote: Remote, spec: WorkerSpec, offset: int, limit: int = 65536) -> str:

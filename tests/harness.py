@@ -48,6 +48,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def pid_in(path: Path) -> int:
+    """The pid a pid file names (its line is "PID START")."""
+    return int(path.read_text().split()[0])
+
+
 def listening(port: int, host: str = "127.0.0.1") -> bool:
     """Whether something accepts connections on host:port."""
     with socket.socket() as probe:
@@ -124,10 +129,13 @@ class Cluster:
         return local if local.exists() else next(self.root.glob(f"**/test{os.getpid()}/{node}"))
 
     def worker_pid(self, node: str) -> int:
-        return int((self.worker_dir(node) / "worker.pid").read_text())
+        return pid_in(self.worker_dir(node) / "worker.pid")
 
     def supervisor_pid(self, node: str) -> int:
-        return int((self.worker_dir(node) / "supervisor.pid").read_text())
+        return pid_in(self.worker_dir(node) / "supervisor.pid")
+
+    def controller_pid(self) -> int:
+        return pid_in(self.state / "controller.pid")
 
     def processes(self) -> list[int]:
         """Every live process that belongs to this cluster (controller, coordinator, supervisors, workers)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,17 +13,22 @@ import pytest
 
 from core.build import (
     CACHE_ENV,
+    LEASE_MARKER,
+    _node_lock,
     build_key,
     cache_dir,
     cached_worker,
+    failure_reason,
     parse_progress,
     parse_protocol,
     pinned_version,
     worker_binary,
 )
 from core.errors import DeployError
+from core.remote import LocalRemote
 from core.rpc import Version
-from tests.harness import small_disk
+from core.state import PidRecord
+from tests.harness import FIXTURES, alive, small_disk
 
 HEADER = """#pragma once
 #define RPC_PROTO_MAJOR_VERSION    7
@@ -84,3 +91,66 @@ def test_a_full_disk_during_the_build_is_a_clear_error_and_nothing_half_built_is
     assert cached_worker("cpu") is None
     assert not (small_disk_28m / "bin" / build_key(pinned_version(), "cpu")).exists()
     assert not list((small_disk_28m / "bin").glob(".*"))  # no scratch folder left to be mistaken for a build
+
+
+def test_a_nodes_build_lock_is_a_lease_that_the_next_build_waits_for(tmp_path: Path) -> None:
+    lock = tmp_path / "bin" / "key.lock"
+    said: list[str] = []
+
+    async def take_turns() -> tuple[list[str], int]:
+        order = []
+        async with _node_lock(LocalRemote("a"), str(lock), lambda message, _: said.append(message)):
+            owner = PidRecord.read(lock / "owner")
+            assert owner is not None and owner.running(LEASE_MARKER)
+
+            async def second() -> None:
+                async with _node_lock(LocalRemote("b"), str(lock), lambda message, _: said.append(message)):
+                    order.append("b")
+
+            waiting = asyncio.create_task(second())
+            for _ in range(400):  # until the second one says that it waits
+                if said:
+                    break
+                await asyncio.sleep(0.05)
+            order.append("a")
+        await waiting
+        return order, owner.pid
+
+    order, first = asyncio.run(take_turns())
+    assert order == ["a", "b"]
+    assert said == [f"waiting for another build on b (pid {first})"]
+    assert not lock.exists()
+
+
+def test_a_followed_command_ends_with_its_whole_process_group() -> None:
+    """A build's compilers are children of children of the command: stopping it must reach them too."""
+    async def follow_then_stop() -> list[int]:
+        lines = LocalRemote("n").follow("sh -c 'sleep 300 & echo $!; wait' & sleep 300 & echo $!; wait")
+        pids = [int(await anext(lines)), int(await anext(lines))]
+        await lines.aclose()
+        return pids
+
+    pids = asyncio.run(follow_then_stop())
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize(("capture", "reason"), [
+    ("cmake-configure_vulkan-sdk-missing_debian12-cmake3.25.txt",
+     "Could NOT find Vulkan (missing: Vulkan_LIBRARY Vulkan_INCLUDE_DIR glslc)"),
+    ("cmake-configure_cuda-no-gpu-no-cublas_debian12-cmake3.25.txt",
+     'CUDA_ARCHITECTURES is set to "native", but no GPU was detected.'),
+])
+def test_why_a_configure_failed_is_cmakes_message_not_its_last_error_line(capture: str, reason: str) -> None:
+    """Real output of configuring the worker project (Debian 12, cmake 3.25, no Vulkan SDK; CUDA 13 without a
+    GPU or cuBLAS), whose last line with "error" in it is "-- Configuring incomplete, errors occurred!"."""
+    lines = (FIXTURES / "cmake" / capture).read_text().splitlines()
+    assert failure_reason(lines) == reason
+
+
+def test_why_a_compile_failed_is_the_last_error_line() -> None:
+    lines = ["[3/40] Building CXX object a.o", "/src/a.cpp:1:1: error: 'x' was not declared", "ninja: build stopped"]
+    assert failure_reason(lines) == "/src/a.cpp:1:1: error: 'x' was not declared"
+    assert failure_reason(["[1/2] ok"]) is None

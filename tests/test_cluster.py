@@ -109,13 +109,13 @@ def test_run_streams_text_to_stdout(cluster3: Cluster) -> None:
 
 def test_second_up_changes_nothing(cluster3: Cluster) -> None:
     before = {node: cluster3.worker_pid(node) for node in ("n0", "n1", "n2")}
-    controller = int((cluster3.state / "controller.pid").read_text())
+    controller = cluster3.controller_pid()
     started = time.monotonic()
     result = cluster3.cli("up")
     elapsed = time.monotonic() - started
     assert "already up" in result.stderr
     assert {node: cluster3.worker_pid(node) for node in before} == before
-    assert int((cluster3.state / "controller.pid").read_text()) == controller
+    assert cluster3.controller_pid() == controller
     print(f"second up: {elapsed:.2f}s")
 
 
@@ -165,14 +165,14 @@ def test_a_cancelled_run_leaves_the_next_run_its_whole_text(cluster3: Cluster) -
 
 def test_killed_controller_is_replaced_and_workers_adopted(cluster3: Cluster) -> None:
     workers = {node: cluster3.worker_pid(node) for node in ("n0", "n1", "n2")}
-    controller = int((cluster3.state / "controller.pid").read_text())
+    controller = cluster3.controller_pid()
     subprocess.run(["kill", "-9", str(controller)], check=True)
     deadline = time.monotonic() + 10
     while alive(controller) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "adopted the workers" in cluster3.cli("up").stderr
     assert {node: cluster3.worker_pid(node) for node in workers} == workers
-    assert int((cluster3.state / "controller.pid").read_text()) != controller
+    assert cluster3.controller_pid() != controller
     events = [event["message"] for event in cluster3.status()["events"]]
     assert sum("adopted" in message for message in events) == 3
 
@@ -249,7 +249,7 @@ def test_down_after_controller_was_killed_still_stops_workers(short_tmp) -> None
     cluster = Cluster(short_tmp, nodes=2)
     try:
         cluster.cli("up")
-        subprocess.run(["kill", "-9", (cluster.state / "controller.pid").read_text().strip()], check=True)
+        subprocess.run(["kill", "-9", str(cluster.controller_pid())], check=True)
         result = cluster.cli("down")
         assert "leftover workers" in result.stderr
         deadline = time.monotonic() + 5

@@ -103,7 +103,7 @@ def test_dashboard_shows_nodes_then_a_kill_within_two_seconds(cluster3: Cluster,
 def test_dashboard_waits_for_a_restarted_controller_and_exits_on_ctrl_c(cluster3: Cluster,
                                                                           dashboard: Screen) -> None:
     dashboard.wait_for(lambda text: bool(row(text, "n0")), 30)
-    controller = int((cluster3.state / "controller.pid").read_text())
+    controller = cluster3.controller_pid()
     subprocess.run(["kill", "-9", str(controller)], check=True)
     dashboard.wait_for(lambda text: "reconnecting" in text, 10)
     while alive(controller):

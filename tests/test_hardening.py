@@ -92,7 +92,7 @@ def test_another_user_is_refused_even_when_the_permissions_let_it_in(cluster2: C
 ])
 def test_garbage_on_the_control_socket_is_answered_and_the_controller_serves_on(
         cluster2: Cluster, data: bytes, expected: bytes | None) -> None:
-    controller = int((cluster2.state / "controller.pid").read_text())
+    controller = cluster2.controller_pid()
     answer = control(cluster2, data)
     if expected is not None:
         assert expected in answer if expected else answer == b""
@@ -160,6 +160,27 @@ def test_ctrl_c_during_up_stops_what_it_started_and_the_next_up_works(short_tmp:
     finally:
         cluster.cli("down", check=False)
     assert gone(cluster)
+
+
+def test_down_as_the_controller_starts_its_nodes_leaves_no_worker_behind(short_tmp: Path) -> None:
+    """`down` (or Ctrl-C of `up`) can reach the controller while it is starting its workers: a start still
+    under way must not outlive the stop. Sent on the raw socket the moment it opens (the CLI takes longer
+    to load), with the `up` that started the controller gone, whose clean-up would mask it."""
+    cluster = Cluster(short_tmp, nodes=2)
+    try:
+        up = cluster.popen("up")
+        wait_for((cluster.state / "controller.pid").exists, what="the controller")
+        up.kill()
+        up.communicate(timeout=30)
+        answer = None
+        while answer is None:  # the socket's file appears a moment before it listens
+            with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+                answer = control(cluster, b'{"op": "down"}\n')
+            time.sleep(0.001)
+        assert answer == b'{"ok": true}\n'
+        assert gone(cluster, timeout=10)
+    finally:
+        cluster.cli("down", check=False)
 
 
 def test_killed_up_is_finished_by_the_next_up(short_tmp: Path) -> None:

@@ -24,6 +24,7 @@ from core.metrics import (
     usage,
 )
 from core.probe import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
+from core.state import PidRecord
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, NodeState, NodeStatus
 from tests.harness import FIXTURES
 
@@ -37,7 +38,7 @@ def fixture(name: str) -> str:
 def test_sample_of_a_real_process_on_this_machine(tmp_path: Path) -> None:
     busy = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.time()"])
     try:
-        (tmp_path / "worker.pid").write_text(str(busy.pid))
+        (tmp_path / "worker.pid").write_text(PidRecord.of(busy.pid).text())  # as the supervisor writes it
         command = sample_command(str(tmp_path), "cpu")
         first = parse_sample(subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=False).stdout)
         started = time.monotonic()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from core.build import build_key, pinned_version
+from core.state import PidRecord, process_start
 from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
 from tests.sshd import SSHD, SshWorld, keygen
 from tests.test_cluster import PROMPT, single_process
@@ -102,8 +104,7 @@ def test_controller_restart_adopts_ssh_workers_without_redeploying(world: SshWor
     try:
         cluster.cli("up")
         pids = [cluster.worker_pid(f"n{index}") for index in range(2)]
-        controller = (cluster.state / "controller.pid").read_text().strip()
-        os.kill(int(controller), signal.SIGKILL)
+        os.kill(cluster.controller_pid(), signal.SIGKILL)
         cluster.cli("up")
         assert [cluster.worker_pid(f"n{index}") for index in range(2)] == pids
         events = [event["message"] for event in cluster.status()["events"]]
@@ -492,3 +493,80 @@ def test_down_names_a_node_it_cannot_reach_and_the_worker_it_left_running(world:
             node.start()
         cluster.cli("down", check=False)
     assert cluster.processes() == []
+
+
+def leftovers(root: Path) -> list[str]:
+    """Processes of this machine that work under ``root``: their command line names it, or their folder is
+    in it (ninja runs in the build folder with a command line that does not say so)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            folder = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if command and (str(root) in command or folder.startswith(str(root))):
+            found.append(f"{proc.name}: {command}")
+    return found
+
+
+def test_ctrl_c_during_a_remote_build_stops_the_compilers_and_the_next_up_builds(
+        world: SshWorld, short_root: Path) -> None:
+    cluster = ssh_cluster(world, short_root, nodes=1, extra={0: ["build: remote"]})
+    try:
+        up = cluster.popen("up")
+        deadline = time.monotonic() + 300
+        while not any(" -c " in line and "ggml" in line for line in leftovers(short_root / "node root" / "src")):
+            assert up.poll() is None and time.monotonic() < deadline, "the remote build did not start compiling"
+            time.sleep(0.2)
+        up.send_signal(signal.SIGINT)
+        _, stderr = Cluster.finish(up, timeout=120)
+        assert up.returncode == 130, stderr
+        deadline = time.monotonic() + 5
+        while leftovers(short_root) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leftovers(short_root) == [], "the interrupted build goes on"
+        try:
+            again = cluster.cli("up", timeout=400)  # the build again, from where it stopped
+        except subprocess.TimeoutExpired:
+            pytest.fail("the next up still waits on the interrupted build's lock after 400 s")
+        assert "waiting" not in again.stderr
+        node = cluster.status()["nodes"][0]
+        assert node["state"] == "ready" and "worker built" in node["detail"], node
+    finally:
+        cluster.cli("down", check=False)
+    assert leftovers(short_root) == []
+
+
+@pytest.mark.parametrize("owner", ["dead", "not ours", "none, 2 minutes old"])
+def test_a_build_lock_whose_owner_is_gone_is_taken_over_at_once(world: SshWorld, short_root: Path,
+                                                                owner: str) -> None:
+    """A node's build lock as an interrupted `up` leaves it: its owner (the process that held it) is dead, or
+    its pid is somebody else's by now, or it has no owner (the previous version's locks)."""
+    cluster = ssh_cluster(world, short_root, nodes=1, extra={0: ["build: push"]})
+    lock = short_root / "node root" / "bin" / f"{build_key(pinned_version(), 'cpu')}.lock"
+    lock.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "300"])
+    try:
+        if owner == "dead":
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            (lock / "owner").write_text(f"{gone.pid} {process_start(sleeper.pid)}\n")
+        elif owner == "not ours":
+            (lock / "owner").write_text(PidRecord.of(sleeper.pid).text())
+        else:
+            os.utime(lock, (time.time() - 120, time.time() - 120))
+        started = time.monotonic()
+        try:
+            cluster.cli("up", timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"up still waits on the lock {lock} after 90 s")
+        assert time.monotonic() - started < 60
+        assert "worker pushed" in cluster.status()["nodes"][0]["detail"]
+        assert sleeper.poll() is None and not lock.exists()
+    finally:
+        cluster.cli("down", check=False)
+        sleeper.kill()
+        sleeper.wait()

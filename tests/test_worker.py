@@ -14,7 +14,7 @@ import pytest
 
 from core import worker
 from core.remote import LocalRemote
-from tests.harness import FIXTURES, alive
+from tests.harness import FIXTURES, alive, pid_in
 
 
 def fixture(name: str) -> str:
@@ -112,16 +112,16 @@ def test_restart_after_a_kill_then_adopt_then_stop(tmp_path: Path) -> None:
     assert asyncio.run(worker.start(remote, spec)) is False
     workdir = Path(spec.workdir)
     _wait_for((workdir / "worker.pid").exists)
-    first = int((workdir / "worker.pid").read_text())
-    supervisor = int((workdir / "supervisor.pid").read_text())
+    first = pid_in(workdir / "worker.pid")
+    supervisor = pid_in(workdir / "supervisor.pid")
     os.kill(first, signal.SIGKILL)
-    _wait_for(lambda: (workdir / "worker.pid").exists() and int((workdir / "worker.pid").read_text()) != first)
+    _wait_for(lambda: (workdir / "worker.pid").exists() and pid_in(workdir / "worker.pid") != first)
     exits = [event for event in _events(spec) if event["kind"] == "exit"]
     assert exits and exits[0]["code"] == 137
     # Same command: adopted, nothing restarted.
     assert asyncio.run(worker.start(remote, spec)) is True
-    assert int((workdir / "supervisor.pid").read_text()) == supervisor
-    second = int((workdir / "worker.pid").read_text())
+    assert pid_in(workdir / "supervisor.pid") == supervisor
+    second = pid_in(workdir / "worker.pid")
     asyncio.run(worker.stop(remote, spec))
     _wait_for(lambda: not alive(second) and not alive(supervisor), timeout=10)
     assert _events(spec)[-1]["kind"] == "stopped"
