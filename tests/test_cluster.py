@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import CLI, FIXTURES, Cluster, alive, listening, run_with_fault
+from tests.harness import CLI, FIXTURES, Cluster, alive, listening, pid_in, run_with_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -341,10 +341,10 @@ def test_a_relative_and_an_absolute_inventory_path_are_one_cluster(short_tmp) ->
         relative = subprocess.run([CLI, "up", "-i", cluster.inventory.name], cwd=short_tmp, env=cluster.env(),
                                   capture_output=True, text=True, timeout=600, check=False)
         assert relative.returncode == 0, relative.stderr
-        pids = [int((short_tmp / "n0 work" / "worker.pid").read_text()), cluster.worker_pid("n1")]
+        pids = [pid_in(short_tmp / "n0 work" / "worker.pid"), cluster.worker_pid("n1")]
         again = cluster.cli("up")  # the harness passes the absolute path
         assert "already up" in again.stderr
-        assert [int((short_tmp / "n0 work" / "worker.pid").read_text()), cluster.worker_pid("n1")] == pids
+        assert [pid_in(short_tmp / "n0 work" / "worker.pid"), cluster.worker_pid("n1")] == pids
     finally:
         cluster.cli("down", check=False)
     assert cluster.processes() == []

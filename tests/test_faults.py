@@ -70,7 +70,7 @@ def test_killed_coordinator_resumes_with_the_same_text(cluster: Cluster) -> None
 
 def coordinators(cluster: Cluster) -> list[int]:
     """The live coordinator processes of this cluster's controller."""
-    controller = (cluster.state / "controller.pid").read_text().split()[0]
+    controller = str(cluster.controller_pid())
     found = []
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
