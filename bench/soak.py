@@ -2,7 +2,8 @@
 
 A cluster of three supervised workers, on loopback SSH nodes (real sshd, `--nodes ssh`, the default) or local
 ones, serves ``--requests`` greedy requests one after another over the control socket (as `ggml-cluster run`
-does). Every ``--fault-every`` requests one fault lands at a random token of the request in flight, in turn:
+does). Every ``--fault-every`` requests one fault, of a kind drawn at random, lands at a random token of the request
+in flight:
 
 - ``kill``: `kill -9` of a random worker;
 - ``stop``: `SIGSTOP` of a random worker (the watchdog must find it);
@@ -95,7 +96,7 @@ async def one_request(state: StateDir, prompt: str, tokens: int, fault: Fault | 
                     faulted_at = None
                 if fault is not None and seen == fault.at_token:
                     tally.faults[fault.kind] += 1
-                    if fault.kind == "disconnect":
+                    if fault.kind.startswith("disconnect"):
                         return None  # closing the stream closes the connection: the controller cancels
                     inject(fault)
                     faulted_at = time.perf_counter()
@@ -107,11 +108,12 @@ async def one_request(state: StateDir, prompt: str, tokens: int, fault: Fault | 
 def injector(cluster: Cluster, world: SshWorld | None) -> Callable[[Fault], None]:
     def inject(fault: Fault) -> None:
         assert fault.node is not None
-        if fault.kind == "kill":
+        kind = fault.kind.split()[0]
+        if kind == "kill":
             os.kill(cluster.worker_pid(fault.node), signal.SIGKILL)
-        elif fault.kind == "stop":
+        elif kind == "stop":
             os.kill(cluster.worker_pid(fault.node), signal.SIGSTOP)
-        elif fault.kind == "drop" and world is not None:
+        elif kind == "drop" and world is not None:
             world.servers[WORKERS.index(fault.node)].drop_connections()
     return inject
 
@@ -123,7 +125,7 @@ async def soak(cluster: Cluster, world: SshWorld | None, references: dict[str, d
     kinds = ["kill", "stop", "drop", "disconnect"] if world is not None else ["kill", "stop", "disconnect"]
     tally = Tally()
     last_fault = dict.fromkeys(WORKERS, -1e9)
-    due, turn, after_cancel = False, 0, False
+    due, after_cancel = False, False
     inject = injector(cluster, world)
     for index in range(args.requests):
         long = args.long_every and index % args.long_every == args.long_every - 1
@@ -131,15 +133,15 @@ async def soak(cluster: Cluster, world: SshWorld | None, references: dict[str, d
         due = due or (index % args.fault_every == args.fault_every - 1)
         fault = None
         if due:
-            kind = kinds[turn % len(kinds)]
+            kind = rng.choice(kinds)
             now = time.monotonic()
             eligible = [name for name in WORKERS if now - last_fault[name] >= args.spacing]
             if kind == "disconnect" or eligible:
                 node = None if kind == "disconnect" else rng.choice(eligible)
-                fault = Fault(kind, node, rng.randint(1, args.tokens - 2))
+                fault = Fault(f"{kind} ({'long' if long else 'short'} prompt)", node, rng.randint(1, args.tokens - 2))
                 if node is not None:
                     last_fault[node] = now
-                due, turn = False, turn + 1
+                due = False
         done = await one_request(state, prompt, args.tokens, fault, inject, tally)
         if done is None:
             tally.cancelled += 1
