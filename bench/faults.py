@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import client
-from core.build import worker_binary
 from core.coordinator import CoordinatorConfig
+from core.nodes.build import worker_binary
 from core.state import StateDir
 from tests.harness import Cluster, big_model, listening
 

@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import big_model
 
-from core.build import cache_dir, pinned_version, source_tree
 from core.model import write_demo_model
+from core.nodes.build import cache_dir, pinned_version, source_tree
 from tests.harness import Cluster, free_port
 from tests.sshd import SshWorld
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import big_model
 from sharding import decode_ms, start_worker
 
-from core.build import cache_dir
 from core.controller import METRICS_INTERVAL_S
 from core.metrics import parse_sample, sample_command
+from core.nodes.build import cache_dir
 from core.relay import Relay, RelayHost
 from tests.harness import free_port
 

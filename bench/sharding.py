@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import big_model
 
-from core.build import BASE_FLAGS, cache_dir, pinned_version, worker_binary, worker_source
 from core.coordinator import CoordinatorConfig
 from core.model import ModelFacts, read_model
+from core.nodes.build import BASE_FLAGS, cache_dir, pinned_version, worker_binary, worker_source
 from core.planner import (
     NodeCapacity,
     NodeSpeed,

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from core import worker
-from core.build import TARGET, Progress, cache_dir, decide_deployment, node_root, worker_binary
 from core.controller import PARALLEL_NODES, Launch, deployable, local_cpu_flags, read_launch, worker_dir
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError, PromptError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
+from core.nodes import worker
+from core.nodes.build import TARGET, Progress, cache_dir, decide_deployment, node_root, worker_binary
+from core.nodes.probe import PROBE_COMMAND, parse_node
+from core.nodes.remote import Remote, remote_for
 from core.planner import (
     NodeCapacity,
     NodeSpeed,
@@ -34,9 +36,7 @@ from core.planner import (
     plan_memory,
     with_prediction,
 )
-from core.probe import PROBE_COMMAND, parse_node
 from core.profile import depths_for
-from core.remote import Remote, remote_for
 from core.state import StateDir, fingerprint, process_alive, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 

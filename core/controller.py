@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import worker
 from core.api import ApiServer, serve_api
-from core.build import cache_dir, deploy_worker, node_root
 from core.coordinator import FLASH_ATTENTION, CoordinatorConfig
 from core.errors import (
     ClusterError,
@@ -45,6 +43,10 @@ from core.inventory import BuildPath, Inventory, Node, parse_inventory
 from core.liveness import Reading, moved, process_cpu_seconds
 from core.metrics import MetricsServer, Sample, parse_sample, sample_command, serve_metrics, usage
 from core.model import ModelFacts, read_model
+from core.nodes import worker
+from core.nodes.build import cache_dir, deploy_worker, node_root
+from core.nodes.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
+from core.nodes.remote import Remote, SshRemote, remote_for, shell_command
 from core.planner import (
     NodeCapacity,
     Plan,
@@ -54,10 +56,8 @@ from core.planner import (
     plan_memory,
     with_prediction,
 )
-from core.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
 from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
 from core.relay import Link, Relay, RelayHost
-from core.remote import Remote, SshRemote, remote_for, shell_command
 from core.rpc import Version, probe_worker
 from core.service import GenerateRequest
 from core.state import StateDir

@@ -13,8 +13,8 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from core.probe import Gpu, make_script, parse_nvidia_smi_csv, parse_rocm_smi_csv, split_sections
-from core.remote import shell_command
+from core.nodes.probe import Gpu, make_script, parse_nvidia_smi_csv, parse_rocm_smi_csv, split_sections
+from core.nodes.remote import shell_command
 from core.status import ClusterStatus, CoordinatorState, NodeState
 
 NVIDIA_USE_FIELDS = ("index", "name", "memory.total", "memory.free", "utilization.gpu")

@@ -157,8 +157,8 @@ class Cluster:
 def big_model(path: Path | None = None) -> Path:
     """~180 MB of f16 llama weights: 8 layers, n_embd 1024 (the shape DESIGN.md measured), written once into
     the cache. A token takes tens of ms on two 1-thread workers, and a 512-token batch of prompt over a second."""
-    from core.build import cache_dir
     from core.model import write_demo_model
+    from core.nodes.build import cache_dir
 
     path = path or cache_dir() / "models" / "bench-8x1024.gguf"
     if not path.exists():

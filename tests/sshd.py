@@ -123,7 +123,7 @@ class SshWorld:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The CLI's environment: this HOME, but the real build cache (no rebuilds per test)."""
-        from core.build import cache_dir
+        from core.nodes.build import cache_dir
 
         return {**os.environ, "HOME": str(self.home), "GGML_CLUSTER_CACHE_DIR": str(cache_dir()), **extra}
 

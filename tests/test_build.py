@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.build import (
+from core.errors import DeployError
+from core.nodes.build import (
     CACHE_ENV,
     LEASE_MARKER,
     _node_lock,
@@ -24,8 +25,7 @@ from core.build import (
     pinned_version,
     worker_binary,
 )
-from core.errors import DeployError
-from core.remote import LocalRemote
+from core.nodes.remote import LocalRemote
 from core.rpc import Version
 from core.state import PidRecord
 from tests.harness import FIXTURES, alive, small_disk

@@ -23,7 +23,7 @@ from core.metrics import (
     sample_command,
     usage,
 )
-from core.probe import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
+from core.nodes.probe import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
 from core.state import PidRecord
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, NodeState, NodeStatus
 from tests.harness import FIXTURES

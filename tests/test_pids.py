@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from core.remote import PIDS
+from core.nodes.remote import PIDS
 from core.state import PidRecord, StateDir, process_command, process_start
 
 

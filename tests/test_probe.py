@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from core.probe import (
+from core.nodes.probe import (
     GIB,
     MIB,
     PROBE_COMMAND,

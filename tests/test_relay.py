@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.build import worker_binary
+from core.nodes.build import worker_binary
 from core.relay import (
     COMMANDS,
     GRAPH_COMPUTE,

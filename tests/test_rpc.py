@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import rpc
-from core.build import worker_binary
 from core.errors import ConnectError, WorkerDown, WorkerError
+from core.nodes.build import worker_binary
 from tests.harness import free_port, listening
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from core.build import cache_dir
 from core.model import demo_model, read_model
+from core.nodes.build import cache_dir
 from tests.harness import Cluster
 from tests.test_cluster import PROMPT, single_process
 

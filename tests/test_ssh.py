@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from core.build import build_key, pinned_version
+from core.nodes.build import build_key, pinned_version
 from core.state import PidRecord, process_start
 from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
 from tests.sshd import SSHD, SshWorld, keygen

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from core import worker
-from core.remote import LocalRemote
+from core.nodes import worker
+from core.nodes.remote import LocalRemote
 from tests.harness import FIXTURES, alive, pid_in
 
 

@@ -30,8 +30,8 @@ from typing import TextIO
 
 from core.errors import DeployError
 from core.inventory import BuildPath, Node
-from core.probe import NodeFacts, choose_backend, install_hint
-from core.remote import PIDS, Remote, free_bytes, shell_command
+from core.nodes.probe import NodeFacts, choose_backend, install_hint
+from core.nodes.remote import PIDS, Remote, free_bytes, shell_command
 from core.rpc import Version
 
 PACKAGE = "llama-cpp-python"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import DeployError
-from core.remote import PIDS, Remote, shell_command
+from core.nodes.remote import PIDS, Remote, shell_command
 
 # The supervisor writes its pid files with pids.sh's functions.
 SUPERVISOR = PIDS + Path(__file__).with_name("supervise.sh").read_text()
