@@ -2,7 +2,7 @@
 
 Two real workers on loopback and the 183 MB model split between them (the shape of bench/faults.py). The
 coordinator (the same child process the controller runs) decodes with its endpoints either the workers
-themselves, or a relay per worker (core.relay on a RelayHost: the uvloop thread the controller runs its relays
+themselves, or a relay per worker (core.rpc.relay on a RelayHost: the uvloop thread the controller runs its relays
 on), or the relays while each worker's CPU/memory is sampled on its node as the controller does it (the
 sample script every METRICS_INTERVAL_S). Rounds rotate the arms' order; each arm's ratio to direct in the
 same round, median over rounds.
@@ -30,7 +30,7 @@ from sharding import decode_ms, start_worker
 from core.controller import METRICS_INTERVAL_S
 from core.metrics import parse_sample, sample_command
 from core.nodes.build import cache_dir
-from core.relay import Relay, RelayHost
+from core.rpc.relay import Relay, RelayHost
 from tests.harness import free_port
 
 

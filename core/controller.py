@@ -57,8 +57,8 @@ from core.planner import (
     with_prediction,
 )
 from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
-from core.relay import Link, Relay, RelayHost
-from core.rpc import Version, probe_worker
+from core.rpc.relay import Link, Relay, RelayHost
+from core.rpc.wire import Version, probe_worker
 from core.service import GenerateRequest
 from core.state import StateDir
 from core.status import (
@@ -472,7 +472,7 @@ class Controller:
                 self._rpc_remotes.append(rpc)
 
                 def connect(link: Link) -> Coroutine[Any, Any, None]:
-                    return rpc.open_rpc(spec.port, link)
+                    return rpc.open_channel(spec.port, link)
 
             runtime.relay, runtime.relayed = await self._relays.relay(endpoint, report, connect)
         runtime.relay.target = endpoint

@@ -26,7 +26,7 @@ from core.nodes.build import (
     worker_binary,
 )
 from core.nodes.remote import LocalRemote
-from core.rpc import Version
+from core.rpc.wire import Version
 from core.state import PidRecord
 from tests.harness import FIXTURES, alive, small_disk
 

@@ -14,19 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.nodes.build import worker_binary
-from core.relay import (
-    COMMANDS,
-    GRAPH_COMPUTE,
-    GRAPH_RECOMPUTE,
-    HEADER,
-    MAX_FRAME,
-    SET_TENSOR,
-    FrameError,
-    FrameReader,
-    Link,
-    Relay,
-)
-from core.rpc import probe_worker
+from core.rpc.relay import MAX_FRAME, FrameError, FrameReader, Link, Relay
+from core.rpc.wire import CMD_COUNT as COMMANDS
+from core.rpc.wire import CMD_GRAPH_COMPUTE as GRAPH_COMPUTE
+from core.rpc.wire import CMD_GRAPH_RECOMPUTE as GRAPH_RECOMPUTE
+from core.rpc.wire import CMD_SET_TENSOR as SET_TENSOR
+from core.rpc.wire import HEADER, probe_worker
 from tests.harness import free_port, listening
 
 
@@ -145,7 +138,7 @@ def test_requests_reach_the_worker_whole_and_none_that_matters_waits(shapes: lis
     link, worker = Link(Relay(("127.0.0.1", 1), print)), Capture()
     link.worker_connected(worker)
     fed = 0
-    with patch("core.relay.WHOLE_FRAME", SMALL):
+    with patch("core.rpc.relay.WHOLE_FRAME", SMALL):
         for chunk in chunks:
             link.from_client(chunk)
             fed += len(chunk)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core import rpc
 from core.errors import ConnectError, WorkerDown, WorkerError
 from core.nodes.build import worker_binary
+from core.rpc import wire as rpc
 from tests.harness import free_port, listening
 
 

@@ -17,7 +17,7 @@ from core.controller import Launch
 from core.inventory import load_inventory
 from core.nodes.build import cached_worker
 from core.nodes.worker import WorkerSpec
-from core.rpc import Version
+from core.rpc.wire import Version
 from tests.harness import Cluster, alive
 from tests.test_hardening import gone
 

@@ -32,7 +32,7 @@ from core.errors import DeployError
 from core.inventory import BuildPath, Node
 from core.nodes.probe import NodeFacts, choose_backend, install_hint
 from core.nodes.remote import PIDS, Remote, free_bytes, shell_command
-from core.rpc import Version
+from core.rpc.wire import Version
 
 PACKAGE = "llama-cpp-python"
 TARGET = "ggml-rpc-server"

@@ -19,13 +19,12 @@ from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import asyncssh
 
 from core.errors import ConnectError, DeployError
 from core.inventory import Node
-from core.relay import Link
 
 
 def shell_command(argv: Sequence[str | Path]) -> str:
@@ -68,6 +67,27 @@ class CommandResult:
     code: int
     stdout: str
     stderr: str
+
+
+class ChannelSink(Protocol):
+    """Where the bytes of a channel to a node's port go, and what tells it the channel's state (the relay's
+    link implements it): a node's transport carries bytes without knowing what they mean."""
+
+    def worker_connected(self, transport: Any) -> None:
+        """The channel is open; ``transport`` writes to the node (``write``, ``close``)."""
+        ...
+
+    def from_worker(self, data: bytes) -> None:
+        """Bytes from the node."""
+        ...
+
+    def pause_client(self, paused: bool) -> None:
+        """The channel's window is full (True) or has room again (False)."""
+        ...
+
+    def close(self) -> None:
+        """The channel is gone."""
+        ...
 
 
 class Remote(Protocol):
@@ -398,8 +418,9 @@ class SshRemote:
             self._listeners[port] = listener
         return ("127.0.0.1", listener.get_port())
 
-    async def open_rpc(self, port: int, link: Link) -> None:
-        """Open a relay link's worker side as a channel to the node's 127.0.0.1:port on this connection.
+    async def open_channel(self, port: int, sink: ChannelSink) -> None:
+        """Open a channel to the node's 127.0.0.1:port on this connection, its bytes going to ``sink`` (a relay
+        link's worker side).
 
         The coordinator's bytes then cross one Python hop (the relay writing into the channel) instead of
         two (the relay, then asyncssh's local port forward) and no extra loopback TCP connection. The
@@ -410,10 +431,10 @@ class SshRemote:
             if self._conn is None or self._conn.is_closed():
                 await self.connect()
         try:
-            channel, _ = await self._connection().create_connection(lambda: _ChannelSide(link), "127.0.0.1", port)
+            channel, _ = await self._connection().create_connection(lambda: _ChannelSide(sink), "127.0.0.1", port)
         except (asyncssh.Error, OSError) as exc:
             raise ConnectError(f"node {self.name}: cannot open a channel to port {port}: {exc}") from None
-        link.worker_connected(channel)
+        sink.worker_connected(channel)
 
     async def close(self) -> None:
         """Close the forwards and the connection."""
@@ -428,31 +449,31 @@ class SshRemote:
 
 
 class _ChannelSide(asyncssh.SSHTCPSession[bytes]):
-    """The worker side of a relay link over an SSH channel."""
+    """An SSH channel's events, passed to its sink."""
 
-    def __init__(self, link: Link) -> None:
-        self.link = link
+    def __init__(self, sink: ChannelSink) -> None:
+        self.sink = sink
 
     def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:
-        """Worker → coordinator."""
-        self.link.from_worker(data)
+        """Bytes from the node."""
+        self.sink.from_worker(data)
 
     def eof_received(self) -> bool:
-        """The worker closed its side."""
-        self.link.close()
+        """The node closed its side."""
+        self.sink.close()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The channel is gone."""
-        self.link.close()
+        self.sink.close()
 
     def pause_writing(self) -> None:
-        """The channel's window is full: stop reading the coordinator."""
-        self.link.pause_client(True)
+        """The channel's window is full."""
+        self.sink.pause_client(True)
 
     def resume_writing(self) -> None:
         """Room again."""
-        self.link.pause_client(False)
+        self.sink.pause_client(False)
 
 
 def _known_hosts_name(host: str, port: int) -> str:

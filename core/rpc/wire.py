@@ -14,16 +14,21 @@ from dataclasses import dataclass
 
 from core.errors import ConnectError, WorkerDown, WorkerError
 
+# Command numbers of the pinned llama.cpp's ggml-rpc.cpp (enum rpc_cmd) that ggml-cluster reads or sends.
+CMD_SET_TENSOR = 6
+CMD_GRAPH_COMPUTE = 10
 CMD_GET_DEVICE_MEMORY = 11
 CMD_HELLO = 14
 CMD_DEVICE_COUNT = 15
+CMD_GRAPH_RECOMPUTE = 16
+CMD_COUNT = 19  # RPC_CMD_COUNT: a command byte beyond it is not ggml-rpc
 CONN_CAPS_SIZE = 24
 HELLO_RESPONSE_SIZE = 4 + CONN_CAPS_SIZE
 # No answer this protocol sends is larger; a bigger size means the peer is not a ggml-rpc server.
 MAX_RESPONSE_SIZE = 1 << 20
 MAX_DEVICES = 256  # far more than one machine holds; a larger count is a broken or hostile peer
 
-_HEADER = struct.Struct("<BQ")
+HEADER = struct.Struct("<BQ")  # a request's command and payload size
 _SIZE = struct.Struct("<Q")
 
 
@@ -53,7 +58,7 @@ class DeviceMemory:
 
 def encode_request(cmd: int, payload: bytes = b"") -> bytes:
     """One request frame."""
-    return _HEADER.pack(cmd, len(payload)) + payload
+    return HEADER.pack(cmd, len(payload)) + payload
 
 
 def decode_size(header: bytes) -> int:

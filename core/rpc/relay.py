@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -27,11 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
 from core.errors import ConnectError
+from core.rpc.wire import CMD_COUNT, CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_SET_TENSOR, HEADER
 
-SET_TENSOR = 6
-GRAPH_COMPUTE = 10
-GRAPH_RECOMPUTE = 16
-COMMANDS = 19          # RPC_CMD_COUNT of the pinned llama.cpp: a command byte beyond it is not ggml-rpc
 MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is a corrupt stream
 # The worker gets requests up to this size whole, and small SET_TENSORs together with the request after them.
 # llama.cpp's client sends a request as three send() calls (command, size, payload) and, per token and node,
@@ -40,7 +36,6 @@ MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is 
 # as it comes costs a write each and, to an SSH node, a sealed packet each (~22 per token on two nodes; now
 # ~3). Larger requests (tensor uploads while loading) stream as they come.
 WHOLE_FRAME = 64 << 10
-HEADER = struct.Struct("<BQ")
 SMOOTHING = 0.2        # weight of the newest compute time in the moving average
 
 T = TypeVar("T")
@@ -107,7 +102,7 @@ class FrameReader:
                 break
             command, size = HEADER.unpack(self._header)
             self._header.clear()
-            if command >= COMMANDS:
+            if command >= CMD_COUNT:
                 raise FrameError(f"unknown RPC command {command}")
             if size > MAX_FRAME:
                 raise FrameError(f"RPC command {command} announces {size} bytes")
@@ -119,7 +114,7 @@ class FrameReader:
 
     def _ended(self, position: int) -> None:
         self.last_end = position
-        if self._command != SET_TENSOR or self._size > WHOLE_FRAME:
+        if self._command != CMD_SET_TENSOR or self._size > WHOLE_FRAME:
             self.urgent_end = position
 
     def streaming(self) -> bool:
@@ -151,10 +146,10 @@ class Link:
             self.close()
             return
         for command in commands:
-            if command == GRAPH_COMPUTE:
+            if command == CMD_GRAPH_COMPUTE:
                 stats.computes += 1
                 self.compute_started = time.perf_counter()
-            elif command == GRAPH_RECOMPUTE:
+            elif command == CMD_GRAPH_RECOMPUTE:
                 stats.recomputes += 1
                 self.compute_started = time.perf_counter()
         held = len(self.held)
