@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import client
-from core.coordinator import CoordinatorConfig
+from core.engine.coordinator import CoordinatorConfig
 from core.nodes.build import worker_binary
 from core.state import StateDir
 from tests.harness import Cluster, big_model, listening
@@ -51,7 +51,7 @@ def bare_rate(model: Path, ports: list[int], tokens: int, context: int) -> float
             time.sleep(0.05)
         config = CoordinatorConfig(model=str(model), endpoints=tuple(f"127.0.0.1:{port}" for port in ports),
                                    tensor_split=(0.5, 0.5), context=context)
-        coordinator = subprocess.Popen([sys.executable, "-m", "core.coordinator", config.to_json()],
+        coordinator = subprocess.Popen([sys.executable, "-m", "core.engine.coordinator", config.to_json()],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                        text=True, cwd=Path(__file__).resolve().parent.parent)
         assert coordinator.stdin is not None and coordinator.stdout is not None

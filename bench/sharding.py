@@ -9,7 +9,7 @@ Memory caps are what the inventory's `memory:` field gives the planner.
 
 For each plan the coordinator (the same child process the controller runs) loads the model on the nodes
 that hold layers and decodes; tokens/s is measured by the coordinator itself. Plans: memory-proportional,
-equal, compute (ours: the nodes measured by core.profile exactly as `up` does, then the DP), and the best
+equal, compute (ours: the nodes measured by core.engine.profile exactly as `up` does, then the DP), and the best
 of every contiguous split that fits (brute force). The top brute-force splits and the compute plan are then
 re-measured in alternating rounds, so the ratio compares numbers taken side by side. Then an
 identical-workers control (three plain workers, equal memory): compute against memory.
@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import big_model
 
-from core.coordinator import CoordinatorConfig
+from core.engine.coordinator import CoordinatorConfig
+from core.engine.profile import WARMUP_TOKENS, ProfileCache, Target, measure, profile_key
 from core.model import ModelFacts, read_model
 from core.nodes.build import BASE_FLAGS, cache_dir, pinned_version, worker_binary, worker_source
 from core.planner import (
@@ -58,7 +59,6 @@ from core.planner import (
     predict_seconds,
     split_for_counts,
 )
-from core.profile import WARMUP_TOKENS, ProfileCache, Target, measure, profile_key
 from tests.harness import free_port, listening
 
 CONTEXT = 512
@@ -170,7 +170,7 @@ def decode_ms(model: Path, endpoints: Sequence[str], counts: Sequence[int], toke
     used = [(endpoint, count) for endpoint, count in zip(endpoints, counts, strict=True) if count]
     config = CoordinatorConfig(model=str(model), endpoints=tuple(endpoint for endpoint, _ in used),
                                tensor_split=split_for_counts([count for _, count in used]), context=CONTEXT)
-    coordinator = subprocess.Popen([sys.executable, "-m", "core.coordinator", config.to_json()],
+    coordinator = subprocess.Popen([sys.executable, "-m", "core.engine.coordinator", config.to_json()],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    text=True, cwd=ROOT, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
     assert coordinator.stdin is not None and coordinator.stdout is not None

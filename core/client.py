@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from core.controller import PARALLEL_NODES, Launch, deployable, local_cpu_flags, read_launch, worker_dir
+from core.engine.profile import depths_for
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError, PromptError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
@@ -36,7 +37,6 @@ from core.planner import (
     plan_memory,
     with_prediction,
 )
-from core.profile import depths_for
 from core.state import StateDir, fingerprint, process_alive, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 

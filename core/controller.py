@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from core.api import ApiServer, serve_api
-from core.coordinator import FLASH_ATTENTION, CoordinatorConfig
+from core.engine import child
+from core.engine.coordinator import FLASH_ATTENTION, CoordinatorConfig
+from core.engine.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
 from core.errors import (
     ClusterError,
     ConnectError,
@@ -56,7 +58,6 @@ from core.planner import (
     plan_memory,
     with_prediction,
 )
-from core.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
 from core.rpc.relay import Link, Relay, RelayHost
 from core.rpc.wire import Version, probe_worker
 from core.service import GenerateRequest
@@ -848,11 +849,8 @@ class Controller:
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:
             log_start = log_file.tell()
-            # ggml's abort handler attaches gdb and prints a backtrace on stdout, our protocol channel.
-            process = self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "core.coordinator", config.to_json(),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                cwd=str(Path(__file__).resolve().parent.parent), env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+            process = self._process = await child.start("core.engine.coordinator", config.to_json(), log_file,
+                                                        stdin=True)
         self.coordinator.pid = process.pid
         messages = self._messages = asyncio.Queue()
         self._spawn(self._read_coordinator(process, messages))

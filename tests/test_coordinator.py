@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from core.coordinator import Generator
+from core.engine.coordinator import Generator
 
 
 class FakeLlama:

@@ -75,7 +75,7 @@ def coordinators(cluster: Cluster) -> list[int]:
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
             stat = (entry / "stat").read_text()
-            if (entry / "cmdline").read_bytes().find(b"core.coordinator") >= 0 and \
+            if (entry / "cmdline").read_bytes().find(b"core.engine.coordinator") >= 0 and \
                     stat.rpartition(")")[2].split()[1] == controller and stat.rpartition(")")[2].split()[0] != "Z":
                 found.append(int(entry.name))
     return found

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from core.engine.profile import depths_for
 from core.errors import PlanError
 from core.inventory import embedded_inventory
 from core.model import ModelFacts, read_model, write_demo_model
@@ -24,7 +25,6 @@ from core.planner import (
     split_for_counts,
     with_prediction,
 )
-from core.profile import depths_for
 
 GIB = 1 << 30
 

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ProfileError
-from core.model import ModelFacts, read_model, write_demo_model
-from core.planner import NodeCapacity, plan_compute
-from core.profile import (
+from core.engine.profile import (
     NodeProfile,
     ProfileCache,
     cut_model,
@@ -21,6 +18,9 @@ from core.profile import (
     node_speed,
     profile_key,
 )
+from core.errors import ProfileError
+from core.model import ModelFacts, read_model, write_demo_model
+from core.planner import NodeCapacity, plan_compute
 
 MIB = 1 << 20
 

@@ -8,7 +8,7 @@ which also holds the output layer and the coordinator's own work per token.
 One extra run with two nodes separates the coordinator's share, so that a plan over several nodes
 counts it once. Results are cached per (node, model, build) and re-measured on request.
 
-The timed runs happen in a child process (``python -m core.profile``) for the same reason the
+The timed runs happen in a child process (``python -m core.engine.profile``) for the same reason the
 coordinator is one: llama.cpp aborts when a worker goes away.
 """
 
@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from core.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
+from core.engine import child
+from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
 from core.errors import ProfileError
 from core.model import ModelFacts
 from core.planner import NodeSpeed, split_for_counts
@@ -327,11 +328,8 @@ async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, 
     config = {"endpoints": list(endpoints), "threads": threads,
               "jobs": [[{"model": layout.model, "counts": list(layout.counts)} for layout in job.layouts]
                        for job in jobs]}
-    root = Path(__file__).resolve().parent.parent
     with log_path.open("ab") as log:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "core.profile", json.dumps(config), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=log, cwd=str(root), env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+        process = await child.start("core.engine.profile", json.dumps(config), log, stdin=False)
     assert process.stdout is not None
     results: list[list[float]] = []
     try:
