@@ -18,15 +18,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from core.controller import PARALLEL_NODES, Launch, deployable, local_cpu_flags, read_launch, worker_dir
 from core.engine.profile import depths_for
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError, PromptError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
 from core.nodes import worker
-from core.nodes.build import TARGET, Progress, cache_dir, decide_deployment, node_root, worker_binary
-from core.nodes.probe import PROBE_COMMAND, parse_node
+from core.nodes.build import TARGET, Progress, cache_dir, decide_deployment, deployable, node_root, worker_binary
+from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import Remote, remote_for
+from core.nodes.worker import worker_dir
 from core.planner import (
     NodeCapacity,
     NodeSpeed,
@@ -37,7 +37,7 @@ from core.planner import (
     plan_memory,
     with_prediction,
 )
-from core.state import StateDir, fingerprint, process_alive, state_path
+from core.state import Launch, StateDir, fingerprint, process_alive, read_launch, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 UP_TIMEOUT_S = 3600.0  # a first build on a small ARM board takes a while
@@ -360,8 +360,7 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
         row = NodeCheck(node.name, node.host or "localhost")
         async with gate:
             try:
-                await remote.connect()
-                facts = parse_node((await remote.run(PROBE_COMMAND, timeout=120)).stdout)
+                facts = await probe_node(remote)
                 gpus = ", ".join(f"{gpu.name}" + (f" {gpu.memory_total / (1 << 30):.0f} GiB" if gpu.memory_total
                                                   else "") for gpu in facts.gpus)
                 row = replace(row, system=f"{facts.os.system}/{facts.arch}",

@@ -41,13 +41,13 @@ from core.errors import (
     WorkerDown,
     WorkerError,
 )
-from core.inventory import BuildPath, Inventory, Node, parse_inventory
+from core.inventory import Inventory, Node
 from core.liveness import Reading, moved, process_cpu_seconds
 from core.metrics import MetricsServer, Sample, parse_sample, sample_command, serve_metrics, usage
 from core.model import ModelFacts, read_model
 from core.nodes import worker
-from core.nodes.build import cache_dir, deploy_worker, node_root
-from core.nodes.probe import PROBE_COMMAND, parse_cpuinfo, parse_node
+from core.nodes.build import cache_dir, deploy_worker, deployable, node_root
+from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import Remote, SshRemote, remote_for, shell_command
 from core.planner import (
     NodeCapacity,
@@ -59,9 +59,9 @@ from core.planner import (
     with_prediction,
 )
 from core.rpc.relay import Link, Relay, RelayHost
-from core.rpc.wire import Version, probe_worker
+from core.rpc.wire import probe_worker
 from core.service import GenerateRequest
-from core.state import StateDir
+from core.state import Launch, StateDir, read_launch
 from core.status import (
     ClusterStatus,
     CoordinatorState,
@@ -83,7 +83,6 @@ MAX_START_FAILURES = 5      # coordinator starts that fail within the recovery w
 RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-failed", "node-failed", "worker-hung",
                               "node-reconnecting", "node-reconnected"})
 MAX_RECOVERIES = 5          # per request
-PARALLEL_NODES = 16         # nodes connected, probed and deployed at once
 EVENT_MEMORY = 50
 GIL_SWITCH_S = 0.0002        # the GIL switch interval in the controller (see main)
 METRICS_INTERVAL_S = 2.0    # how often each worker's CPU, memory and GPU use is sampled on its node
@@ -96,25 +95,6 @@ RECONNECT_MAX_DELAY_S = 10.0  # between tries to reopen a lost connection
 RECONNECT_GRACE_S = 30.0
 
 
-@dataclass(frozen=True)
-class Launch:
-    """What `up` hands the controller besides the inventory."""
-
-    binary: str
-    protocol: Version
-    model: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for launch.json."""
-        return {"binary": self.binary, "model": self.model,
-                "protocol": [self.protocol.major, self.protocol.minor, self.protocol.patch]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Launch:
-        """Parse launch.json."""
-        return cls(binary=data["binary"], model=data["model"], protocol=Version(*data["protocol"]))
-
-
 class CoordinatorLost(ClusterError):
     """The coordinator exited, or hung and was killed, before it was ready."""
 
@@ -124,37 +104,6 @@ def _exit_cause(code: int) -> str:
     if code in (-6, 134):
         return f"exit {code} (aborted: a worker connection was lost)"
     return f"exit {code} ({worker.classify_exit(code if code >= 0 else 128 - code, '')})"
-
-
-def worker_dir(inventory: Inventory, node: Node, state: StateDir, remote: Remote) -> str:
-    """Where a node's worker lives: a local node's ``workdir`` or <state>/nodes/<node>; an ssh node's
-    <workdir or ~/.ggml-cluster>/<cluster>/<node> (``remote`` connected, to expand ``~``)."""
-    if node.kind == "local":
-        return str(inventory.workdir(node) or state.node_dir(node.name))
-    return f"{node_root(remote, node.workdir)}/{inventory.cluster}/{node.name}"
-
-
-def read_launch(state: StateDir) -> tuple[Inventory, Launch]:
-    """The inventory and launch settings `up` wrote into the state dir."""
-    data = json.loads(state.launch.read_text())
-    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
-    return inventory.model_copy(update={"source": data["source"]}), Launch.from_dict(data)
-
-
-def local_cpu_flags() -> frozenset[str]:
-    """This machine's CPU features: what a pushed (GGML_NATIVE) build may use."""
-    try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text()).flags
-    except OSError:
-        return frozenset()
-
-
-def deployable(inventory: Inventory, node: Node) -> Node:
-    """The node as deployment sees it: a local node's ``build: {path: …}`` resolved like every other path of
-    the inventory (an SSH node's path is the node's)."""
-    if node.kind == "local" and isinstance(node.build, BuildPath):
-        return node.model_copy(update={"build": BuildPath(path=str(inventory.resolve(node.build.path)))})
-    return node
 
 
 @dataclass
@@ -510,8 +459,7 @@ class Controller:
             loop.call_soon_threadsafe(self._show_progress, runtime, message, fraction)
 
         async with self._parallel:
-            await remote.connect()
-            facts = parse_node((await remote.run(PROBE_COMMAND, timeout=120)).stdout)
+            facts = await probe_node(remote)
             status.arch = facts.arch
             status.state = NodeState.DEPLOYING
             self.notify()
@@ -524,7 +472,7 @@ class Controller:
         status.last_status = ""  # it held deployment progress
         self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
         direct = node.kind == "ssh" and node.transport == "direct"
-        return worker.WorkerSpec(node=node.name, workdir=worker_dir(self.inventory, node, self.state, remote),
+        return worker.WorkerSpec(node=node.name, workdir=worker.worker_dir(self.inventory, node, self.state, remote),
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,
                                  bind=node.host if direct and node.host else "127.0.0.1",
                                  cache=str(self.state.worker_cache) if node.kind == "local" else None)

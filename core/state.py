@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from core.errors import ClusterError, InventoryError
+from core.inventory import Inventory, parse_inventory
+from core.version import Version
 
 STATE_ENV = "GGML_CLUSTER_STATE_DIR"
 # sun_path holds 108 bytes on Linux (104 on macOS), terminator included.
@@ -235,3 +239,29 @@ def process_alive(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return True  # no procfs (macOS): kill(0) is all we have
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `up` hands the controller besides the inventory."""
+
+    binary: str
+    protocol: Version
+    model: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for launch.json."""
+        return {"binary": self.binary, "model": self.model,
+                "protocol": [self.protocol.major, self.protocol.minor, self.protocol.patch]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Launch:
+        """Parse launch.json."""
+        return cls(binary=data["binary"], model=data["model"], protocol=Version(*data["protocol"]))
+
+
+def read_launch(state: StateDir) -> tuple[Inventory, Launch]:
+    """The inventory and launch settings `up` wrote into the state dir."""
+    data = json.loads(state.launch.read_text())
+    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
+    return inventory.model_copy(update={"source": data["source"]}), Launch.from_dict(data)

@@ -26,8 +26,8 @@ from core.nodes.build import (
     worker_binary,
 )
 from core.nodes.remote import LocalRemote
-from core.rpc.wire import Version
 from core.state import PidRecord
+from core.version import Version
 from tests.harness import FIXTURES, alive, small_disk
 
 HEADER = """#pragma once

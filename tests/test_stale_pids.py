@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from core.controller import Launch
 from core.inventory import load_inventory
 from core.nodes.build import cached_worker
 from core.nodes.worker import WorkerSpec
-from core.rpc.wire import Version
+from core.state import Launch
+from core.version import Version
 from tests.harness import Cluster, alive
 from tests.test_hardening import gone
 

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import TextIO
 
 from core.errors import DeployError
-from core.inventory import BuildPath, Node
+from core.inventory import BuildPath, Inventory, Node
 from core.nodes.probe import NodeFacts, choose_backend, install_hint
 from core.nodes.remote import PIDS, Remote, free_bytes, shell_command
-from core.rpc.wire import Version
+from core.version import Version
 
 PACKAGE = "llama-cpp-python"
 TARGET = "ggml-rpc-server"
@@ -539,3 +539,11 @@ async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, bac
         raise DeployError(f"node {node.name}: building {TARGET} ({backend}) failed: {reason}",
                           f"fix: free space on the node or set its workdir to a larger disk; see {log} there"
                           if full else f"see {log} on the node")
+
+
+def deployable(inventory: Inventory, node: Node) -> Node:
+    """The node as deployment sees it: a local node's ``build: {path: …}`` resolved like every other path of
+    the inventory (an SSH node's path is the node's)."""
+    if node.kind == "local" and isinstance(node.build, BuildPath):
+        return node.model_copy(update={"build": BuildPath(path=str(inventory.resolve(node.build.path)))})
+    return node

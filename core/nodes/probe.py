@@ -12,6 +12,9 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from core.nodes.remote import Remote
 
 MIB = 2**20
 GIB = 2**30
@@ -519,3 +522,20 @@ def install_hint(os: OsInfo, missing: str) -> str:
         what = "a C++ compiler (g++ or clang++)" if missing == "c++" else missing
         return f"install {what} with the system's package manager"
     return f"sudo {manager} install -y {_PACKAGES[manager].get(missing, missing)}"
+
+
+PARALLEL_NODES = 16  # nodes connected, probed and deployed at once
+
+
+def local_cpu_flags() -> frozenset[str]:
+    """This machine's CPU features: what a pushed (GGML_NATIVE) build may use."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text()).flags
+    except OSError:
+        return frozenset()
+
+
+async def probe_node(remote: Remote) -> NodeFacts:
+    """Reach the node and read its facts (OS, arch, CPU, memory, GPUs, toolchain)."""
+    await remote.connect()
+    return parse_node((await remote.run(PROBE_COMMAND, timeout=120)).stdout)

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import DeployError
+from core.inventory import Inventory, Node
+from core.nodes.build import node_root
 from core.nodes.remote import PIDS, Remote, shell_command
+from core.state import StateDir
 
 # The supervisor writes its pid files with pids.sh's functions.
 SUPERVISOR = PIDS + Path(__file__).with_name("supervise.sh").read_text()
@@ -218,3 +221,11 @@ async def read_log(remote: Remote, spec: WorkerSpec, offset: int, limit: int = 6
     path = shell_command([f"{spec.workdir}/worker.log"])
     result = await remote.run(f"tail -c +{int(offset) + 1} {path} 2>/dev/null | tail -c {int(limit)}")
     return result.stdout
+
+
+def worker_dir(inventory: Inventory, node: Node, state: StateDir, remote: Remote) -> str:
+    """Where a node's worker lives: a local node's ``workdir`` or <state>/nodes/<node>; an ssh node's
+    <workdir or ~/.ggml-cluster>/<cluster>/<node> (``remote`` connected, to expand ``~``)."""
+    if node.kind == "local":
+        return str(inventory.workdir(node) or state.node_dir(node.name))
+    return f"{node_root(remote, node.workdir)}/{inventory.cluster}/{node.name}"

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 
 from core.errors import ConnectError, WorkerDown, WorkerError
+from core.version import Version
 
 # Command numbers of the pinned llama.cpp's ggml-rpc.cpp (enum rpc_cmd) that ggml-cluster reads or sends.
 CMD_SET_TENSOR = 6
@@ -30,22 +31,6 @@ MAX_DEVICES = 256  # far more than one machine holds; a larger count is a broken
 
 HEADER = struct.Struct("<BQ")  # a request's command and payload size
 _SIZE = struct.Struct("<Q")
-
-
-@dataclass(frozen=True)
-class Version:
-    """An RPC protocol version."""
-
-    major: int
-    minor: int
-    patch: int
-
-    def __str__(self) -> str:
-        return f"{self.major}.{self.minor}.{self.patch}"
-
-    def compatible_with(self, client: Version) -> bool:
-        """The rule the client applies (ggml-rpc.cpp negotiate_hello): same major, server minor not newer."""
-        return self.major == client.major and self.minor <= client.minor
 
 
 @dataclass(frozen=True)
