@@ -28,8 +28,8 @@ from faults import big_model
 from sharding import decode_ms, start_worker
 
 from core.controller import METRICS_INTERVAL_S
-from core.metrics import parse_sample, sample_command
 from core.nodes.build import cache_dir
+from core.nodes.sample import parse_sample, sample_command
 from core.rpc.relay import Relay, RelayHost
 from tests.harness import free_port
 

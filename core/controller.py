@@ -42,13 +42,14 @@ from core.errors import (
     WorkerError,
 )
 from core.inventory import Inventory, Node
-from core.liveness import Reading, moved, process_cpu_seconds
-from core.metrics import MetricsServer, Sample, parse_sample, sample_command, serve_metrics, usage
+from core.liveness import Reading, moved
+from core.metrics import MetricsServer, serve_metrics
 from core.model import ModelFacts, read_model
 from core.nodes import worker
 from core.nodes.build import cache_dir, deploy_worker, deployable, node_root
 from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import Remote, SshRemote, remote_for, shell_command
+from core.nodes.sample import Sample, parse_sample, process_cpu_seconds, sample_command, usage
 from core.planner import (
     NodeCapacity,
     Plan,

@@ -8,11 +8,7 @@ moment apart answer that; only nothing moving at all (or a worker in the stopped
 
 from __future__ import annotations
 
-import os
-import subprocess
 from dataclasses import dataclass, field
-
-from core.metrics import parse_proc, parse_ps
 
 # Less CPU than this in a reading's window is a process waiting, not working (the sampling's own noise).
 MIN_CPU_S = 0.02
@@ -42,18 +38,3 @@ def moved(before: Reading, after: Reading) -> list[str]:
 
 def _grew(before: float | None, after: float | None) -> bool:
     return before is not None and after is not None and after - before >= MIN_CPU_S
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds a process of this machine has used (/proc, else `ps`), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
-        return parse_proc(f"{stat.strip()}\n{os.sysconf('SC_CLK_TCK')}")[0]
-    except FileNotFoundError:
-        if os.path.isdir("/proc/self"):
-            return None  # procfs, and no such process
-    except OSError:
-        return None
-    result = subprocess.run(["ps", "-o", "rss=,time=", "-p", str(pid)], capture_output=True, text=True, check=False)
-    return parse_ps(result.stdout)[0]

@@ -6,7 +6,8 @@ import os
 import subprocess
 import time
 
-from core.liveness import Reading, moved, process_cpu_seconds
+from core.liveness import Reading, moved
+from core.nodes.sample import process_cpu_seconds
 
 
 def test_nothing_moving_is_a_hang() -> None:
