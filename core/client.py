@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from core.endpoints.control import ask, exchange
 from core.engine.profile import depths_for
-from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError, PromptError
+from core.errors import ClusterError, ConnectError, DeployError, InventoryError, PlanError
 from core.inventory import Inventory, Node
 from core.model import ModelFacts, demo_model, read_model
 from core.nodes import worker
@@ -42,42 +43,11 @@ from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 UP_TIMEOUT_S = 3600.0  # a first build on a small ARM board takes a while
 DOWN_TIMEOUT_S = 30.0
-# Stream lines can be long (a snapshot with many events); the default 64 KiB is too tight.
-LINE_LIMIT = 16 << 20
 
 
 def state_for(inventory: Inventory) -> StateDir:
     """The state dir of an inventory's cluster."""
     return StateDir(state_path(inventory.cluster))
-
-
-async def exchange(state: StateDir, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """Send one request to the controller and yield its answers; an error answer raises it as ClusterError."""
-    try:
-        reader, writer = await asyncio.open_unix_connection(str(state.socket), limit=LINE_LIMIT)
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise ConnectError(f"the cluster at {state.root} is not running",
-                           "fix: run `ggml-cluster up`") from None
-    try:
-        writer.write((json.dumps(message) + "\n").encode())
-        await writer.drain()
-        async for line in reader:
-            answer = json.loads(line)
-            if answer.get("event") == "error":
-                error = PromptError if answer.get("exit_code") == PromptError.exit_code else ClusterError
-                raise error(str(answer.get("message")))
-            yield answer
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError, OSError):
-            await writer.wait_closed()
-
-
-async def ask(state: StateDir, message: dict[str, Any]) -> dict[str, Any]:
-    """One request, one answer."""
-    async for answer in exchange(state, message):
-        return answer
-    raise ConnectError(f"the controller at {state.root} closed the connection without answering")
 
 
 async def status(state: StateDir) -> ClusterStatus:

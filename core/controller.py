@@ -16,8 +16,6 @@ import logging
 import os
 import platform
 import signal
-import socket
-import struct
 import sys
 import time
 from collections import deque
@@ -26,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.api import ApiServer, serve_api
+from core.endpoints.api import ApiServer, serve_api
+from core.endpoints.control import serve_control
+from core.endpoints.prometheus import MetricsServer, serve_metrics
 from core.engine import child
 from core.engine.coordinator import FLASH_ATTENTION, CoordinatorConfig
 from core.engine.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
@@ -43,7 +43,6 @@ from core.errors import (
 )
 from core.inventory import Inventory, Node
 from core.liveness import Reading, moved
-from core.metrics import MetricsServer, serve_metrics
 from core.model import ModelFacts, read_model
 from core.nodes import worker
 from core.nodes.build import cache_dir, deploy_worker, deployable, node_root
@@ -193,6 +192,19 @@ class Controller:
         self.finished = asyncio.Event()
 
     # --- status and events -------------------------------------------------------------------------
+
+    @property
+    def context(self) -> int:
+        """Tokens the context holds."""
+        return self.inventory.context
+
+    def fingerprint(self) -> str:
+        """Identity of what this controller runs: its inventory and launch files."""
+        return self.state.fingerprint()
+
+    def serving(self) -> bool:
+        """Whether it runs on (False once it has shut down)."""
+        return not self.finished.is_set()
 
     def snapshot(self) -> ClusterStatus:
         """The current status of everything."""
@@ -1227,95 +1239,10 @@ def _rate(count: object, seconds: object) -> float | None:
     return None
 
 
-# --- the control socket ----------------------------------------------------------------------------
-
-
-def peer_uid(connection: socket.socket) -> int | None:
-    """The user id of the process at the other end of a Unix socket (Linux), or None where unknown."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", credentials)[1])
-
-
-def error_answer(message: str, exit_code: int = 1) -> dict[str, Any]:
-    """The one shape of every error the control socket answers (``exit_code``: what the CLI exits with)."""
-    return {"event": "error", "message": " ".join(message.split()), "exit_code": exit_code}
-
-
-WATCH_MIN_INTERVAL_S = 0.1  # a watcher asking for less would have the controller send snapshots flat out
-
-
-async def _serve_client(controller: Controller, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> None:
-    async def send(message: dict[str, Any]) -> None:
-        # A client gone is a ConnectionError on any loop (uvloop would raise RuntimeError on the write).
-        if writer.is_closing():
-            raise ConnectionResetError("the client went away")
-        writer.write((json.dumps(message) + "\n").encode())
-        await writer.drain()
-
-    try:
-        # The socket is 0600 in a 0700 folder; this also turns away a user who was let in by a chmod.
-        uid = peer_uid(writer.get_extra_info("socket"))
-        if uid is not None and uid != os.getuid():
-            controller.record("refused", f"refused a control connection from uid {uid} (only uid {os.getuid()} "
-                              f"may control this cluster)")
-            await send(error_answer("this cluster belongs to another user"))
-            return
-        line = await reader.readline()
-        if not line:
-            return
-        request = json.loads(line)
-        op = request.get("op") if isinstance(request, dict) else None
-        if op == "ping":
-            await send({"ok": True, "pid": os.getpid(), "inventory": controller.state.fingerprint()})
-        elif op == "status":
-            await send(controller.snapshot().to_dict())
-        elif op == "watch":
-            interval = request.get("interval", 1.0)
-            if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval >= 0:
-                raise ValueError("'interval' must be a number of seconds")
-            interval = max(float(interval), WATCH_MIN_INTERVAL_S)
-            while not controller.finished.is_set():
-                await send(controller.snapshot().to_dict())
-                await controller.wait_change(interval)
-        elif op == "run":
-            await controller.generate(GenerateRequest.parse(request, controller.inventory.context), send)
-        elif op == "profile":
-            await controller.reprofile()
-            if controller.coordinator.state != CoordinatorState.READY:
-                raise ClusterError(f"the coordinator did not come back: {controller.coordinator.last_error}")
-            await send({"ok": True})
-        elif op == "down":
-            left = await controller.shutdown(stop_workers=not request.get("keep_workers", False))
-            await send({"ok": True, "left_running": left})
-        elif op == "retry":
-            await controller.retry()
-            await send(controller.snapshot().to_dict())
-        else:
-            await send(error_answer(f"bad request: unknown op {op!r}", 2))
-    except (ConnectionError, asyncio.IncompleteReadError):
-        pass
-    except ClusterError as exc:
-        with contextlib.suppress(ConnectionError):
-            await send(error_answer(str(exc), exc.exit_code))
-    except (ValueError, TypeError) as exc:  # not JSON, a line over the reader's limit, a field of the wrong type
-        with contextlib.suppress(ConnectionError):
-            await send(error_answer(f"bad request: {exc}", 2))
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError, OSError):
-            await writer.wait_closed()
-
-
 async def serve(state: StateDir) -> int:
     """Run the controller for the cluster whose launch files are in ``state``."""
     controller = Controller(*read_launch(state), state)
-    state.socket.unlink(missing_ok=True)
-    server = await asyncio.start_unix_server(
-        lambda r, w: _serve_client(controller, r, w), path=str(state.socket))
-    state.socket.chmod(0o600)
+    server = await serve_control(controller, state.socket)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(controller.shutdown()))

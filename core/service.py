@@ -1,13 +1,17 @@
-"""What every way into the cluster asks of it: one generation request, validated in one place."""
+"""What every way into the cluster (the control socket, the OpenAI API, Prometheus) may ask of it: the Service,
+and one generation request, validated in one place."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from core.errors import PromptError
+from core.status import ClusterStatus
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]  # a request's events to its client (raises ConnectionError)
 
 DEFAULT_MAX_TOKENS = 128
 MAX_TEMPERATURE = 100.0
@@ -70,3 +74,48 @@ class GenerateRequest:
         else:
             data["prompt"] = self.prompt
         return data
+
+
+class Service(Protocol):
+    """The cluster as its endpoints see it (the controller is the one implementation)."""
+
+    @property
+    def context(self) -> int:
+        """Tokens the context holds: the largest ``max_tokens`` a request may ask for."""
+        ...
+
+    def snapshot(self) -> ClusterStatus:
+        """The current status of everything."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Identity of the configuration it runs (inventory and launch files)."""
+        ...
+
+    def serving(self) -> bool:
+        """Whether it runs on (False once it has shut down)."""
+        ...
+
+    def record(self, kind: str, message: str, node: str | None = None) -> None:
+        """Log an event (an endpoint's own, such as a refused connection)."""
+        ...
+
+    async def wait_change(self, timeout: float) -> None:
+        """Return on the next change or after ``timeout`` seconds."""
+        ...
+
+    async def generate(self, request: GenerateRequest, send: Send) -> None:
+        """Run one request to completion (resuming it across faults), its events to ``send``."""
+        ...
+
+    async def reprofile(self) -> None:
+        """Measure the nodes again, re-plan and reload, between requests."""
+        ...
+
+    async def retry(self) -> None:
+        """Try failed and unreachable nodes now; return once they had their try."""
+        ...
+
+    async def shutdown(self, stop_workers: bool = True) -> list[str]:
+        """Stop everything it started; what it could not stop, a line each."""
+        ...

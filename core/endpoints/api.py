@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (aiohttp), served by the controller on its own event loop.
 
 `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events, or whole), `/v1/models`,
-`/health`. Every request goes through `Controller.generate`, the path `ggml-cluster run` takes: requests
+`/health`. Every request goes through `Service.generate`, the path `ggml-cluster run` takes: requests
 queue first come, first served, and one in flight when a node fails is resumed like any other.
 """
 
@@ -10,21 +10,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import ClusterError, PromptError
-from core.service import GenerateRequest
+from core.service import GenerateRequest, Service
 from core.status import CoordinatorState
-
-if TYPE_CHECKING:
-    from core.controller import Controller
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class _Request(BaseModel):
@@ -120,29 +114,26 @@ class ApiServer:
 
 
 class _Api:
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-
-    @property
-    def model_id(self) -> str:
-        return self.controller.model.name
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        started = service.snapshot()
+        self.model_id = started.model  # the same for the controller's whole life
+        self.created = int(started.started_at)
 
     async def health(self, _: web.Request) -> web.Response:
-        state = self.controller.coordinator.state
+        snapshot = self.service.snapshot()
+        state = snapshot.coordinator.state
         serving = state in (CoordinatorState.READY, CoordinatorState.GENERATING)
         body = {"status": "ok" if serving else str(state), "coordinator": str(state),
-                "requests_in_flight": self.controller.requests_waiting}
+                "requests_in_flight": snapshot.requests_in_flight}
         if not serving:
-            body["error"] = self.controller.coordinator.last_error
-            body["failed_nodes"] = {runtime.node.name: runtime.status.last_error
-                                    for runtime in self.controller.nodes.values()
-                                    if runtime.status.left_out}
+            body["error"] = snapshot.coordinator.last_error
+            body["failed_nodes"] = {node.name: node.last_error for node in snapshot.nodes if node.left_out}
         return web.json_response(body, status=200 if serving else 503)
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": int(self.controller.started_at),
-             "owned_by": "ggml-cluster"}]})
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "ggml-cluster"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = await _parse(request, CompletionRequest)
@@ -162,13 +153,13 @@ class _Api:
 
     def _sampling(self, parsed: _Request, default_max: int | None) -> dict[str, Any]:
         # No max_tokens on a chat: until the model stops or the context is full (the coordinator caps it).
-        limit = parsed.max_completion_tokens or parsed.max_tokens or default_max or self.controller.inventory.context
+        limit = parsed.max_completion_tokens or parsed.max_tokens or default_max or self.service.context
         return {"max_tokens": limit, "temperature": parsed.temperature, "seed": parsed.seed}
 
     async def _serve(self, request: web.Request, parsed: _Request, fields: dict[str, Any],
                      chat: bool) -> web.StreamResponse:
         try:
-            job = GenerateRequest.parse(fields, self.controller.inventory.context)
+            job = GenerateRequest.parse(fields, self.service.context)
         except PromptError as exc:
             return _fail(400, str(exc), "invalid_request_error", exc.field)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -185,7 +176,7 @@ class _Api:
                 texts.append(event["text"])
 
         try:
-            await self.controller.generate(job, collect)
+            await self.service.generate(job, collect)
         except PromptError as exc:
             return _fail(400, str(exc), "invalid_request_error")
         except ClusterError as exc:
@@ -223,7 +214,7 @@ class _Api:
                             {"text": "", "finish_reason": reason, "logprobs": None}, {"usage": _usage(event)})
 
         try:
-            await self.controller.generate(job, relay)
+            await self.service.generate(job, relay)
         except ClusterError as exc:
             if not response.prepared:  # nothing sent yet: a plain error response with its status
                 return _fail(400 if isinstance(exc, PromptError) else 503, str(exc),
@@ -245,9 +236,9 @@ def _usage(done: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def serve_api(controller: Controller, host: str, port: int) -> ApiServer:
+async def serve_api(service: Service, host: str, port: int) -> ApiServer:
     """Serve the API on host:port (raises OSError when the port is taken)."""
-    api = _Api(controller)
+    api = _Api(service)
     app = web.Application(client_max_size=16 << 20)
     app.add_routes([
         web.get("/health", api.health), web.get("/v1/models", api.models),
