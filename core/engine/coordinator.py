@@ -1,22 +1,15 @@
 """The coordinator: a child process that runs llama-cpp-python with the workers as RPC devices.
 
 It is a separate process on purpose: llama.cpp's RPC client calls abort() when a worker goes away,
-and only this process dies with it. Protocol, JSON lines:
+and only this process dies with it. It speaks core.engine.protocol on stdin and stdout: `Ready` or `Failed`
+once loaded, then per `Generate` its prompt tokens, progress while the prompt (and a replay) is evaluated, a
+token at a time, and `Done`. `Cancel` reaches only the request it names, and only while that request is
+queued or running: a cancel for a request already done can never reach a later one. ``messages`` (OpenAI chat
+messages) are rendered with the GGUF's chat template.
 
-- start-up (stdout): ``{"event": "ready", ...}`` or ``{"event": "error", "message": ...}``
-- request (stdin): ``{"op": "generate", "id", "prompt" | "messages" | "prompt_tokens", "max_tokens",
-  "temperature", "seed", "replay": [token, ...]}``; ``messages`` (OpenAI chat messages) are rendered with
-  the GGUF's chat template
-- answers (stdout): ``{"id", "event": "prompt", "tokens"}``, ``{"id", "event": "progress", "phase": "prompt" |
-  "replay", "done", "total"}`` while the prompt and a replay are evaluated, one ``{"id", "event": "token",
-  "token", "text"}`` per new token, then ``{"id", "event": "done", ...}`` or ``{"id", "event": "error", ...}``
-- ``{"op": "cancel", "id"}`` ends that request after the token in progress (``done`` with reason
-  ``cancelled``), or before it starts if it is still queued; a cancel for any other id (a request already
-  done) is dropped, so it can never reach a later request; ``{"op": "shutdown"}`` exits.
-
-``replay`` holds tokens generated before a restart: the prompt is evaluated in the same batches as the first
-time and each replayed token one at a time, exactly as first decoded, so the KV cache and the output are
-bit-identical. Progress lines let the controller tell a long prompt from a hung worker.
+A `Generate` with ``replay`` holds tokens generated before a restart: the prompt is evaluated in the same
+batches as the first time and each replayed token one at a time, exactly as first decoded, so the KV cache and
+the output are bit-identical. Progress lines let the controller tell a long prompt from a hung worker.
 """
 
 from __future__ import annotations
@@ -34,6 +27,22 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+from core.engine.protocol import (
+    Answer,
+    Cancel,
+    Done,
+    Failed,
+    Generate,
+    Progress,
+    PromptTokens,
+    Ready,
+    Request,
+    Shutdown,
+    Token,
+    decode_request,
+    encode,
+)
 
 TOP_K = 40
 TOP_P = 0.95
@@ -148,39 +157,36 @@ class Generator:
                                        model.token_get_text(bos) if bos != -1 else "")
         return cls(llm, llama_cpp, chat)
 
-    def prompt_tokens(self, request: dict[str, Any]) -> list[int]:
+    def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
-        if request.get("prompt_tokens"):
-            return [int(token) for token in request["prompt_tokens"]]
-        if "messages" in request:
+        if request.prompt_tokens:
+            return list(request.prompt_tokens)
+        if request.messages is not None:
             if self.chat is None:
                 raise ValueError("the model has no chat template (tokenizer.chat_template in its GGUF); "
                                  "send a plain prompt (/v1/completions) instead")
-            text = self.chat(messages=request["messages"]).prompt
+            text = self.chat(messages=request.messages).prompt
             bos = self.chat.bos_token
             # A template that writes the BOS text itself must not get a second one from the tokenizer.
             return list(self.llm.tokenize(text.encode(), add_bos=not (bos and text.startswith(bos)), special=True))
-        return list(self.llm.tokenize(str(request.get("prompt", "")).encode(), add_bos=True, special=False))
+        return list(self.llm.tokenize((request.prompt or "").encode(), add_bos=True, special=False))
 
-    def generate(self, request: dict[str, Any], out: IO[str]) -> None:
-        """Run one request, writing its events to ``out``."""
-        rid = request.get("id")
+    def generate(self, request: Generate, out: IO[str]) -> None:
+        """Run one request, writing its answers to ``out``."""
+        rid = request.id
         llm = self.llm
         try:
             prompt_tokens = self.prompt_tokens(request)
         except (ValueError, TypeError, KeyError) as exc:  # jinja2's errors are ValueError/TypeError subclasses
-            emit(out, {"id": rid, "event": "error", "message": f"cannot render the chat: {exc}"})
+            emit(out, Failed(f"cannot render the chat: {exc}", rid))
             return
-        replay = [int(token) for token in request.get("replay", [])]
-        max_tokens = int(request.get("max_tokens", 128))
-        temperature = float(request.get("temperature", 0.0))
-        seed = request.get("seed")
-        budget = min(max_tokens, llm.n_ctx() - len(prompt_tokens)) - len(replay)
+        replay = request.replay
+        budget = min(request.max_tokens, llm.n_ctx() - len(prompt_tokens)) - len(replay)
         if len(prompt_tokens) >= llm.n_ctx():
-            emit(out, {"id": rid, "event": "error", "message":
-                        f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}"})
+            emit(out, Failed(f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}", rid))
             return
-        emit(out, {"id": rid, "event": "prompt", "tokens": prompt_tokens})
+        emit(out, PromptTokens(rid, prompt_tokens))
+        seed, temperature = request.seed, request.temperature
         rng = np.random.default_rng(seed % (1 << 64) if isinstance(seed, int) else None) if temperature > 0 else None
         started = time.perf_counter()
         llm.reset()
@@ -188,8 +194,7 @@ class Generator:
         batch = llm.n_batch
         for start in range(0, len(prompt_tokens), batch):
             llm.eval(prompt_tokens[start:start + batch])
-            emit(out, {"id": rid, "event": "progress", "phase": "prompt",
-                       "done": min(start + batch, len(prompt_tokens)), "total": len(prompt_tokens)})
+            emit(out, Progress(rid, "prompt", min(start + batch, len(prompt_tokens)), len(prompt_tokens)))
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reported = time.perf_counter()
         for index, token in enumerate(replay, 1):
@@ -198,7 +203,7 @@ class Generator:
             decoder.decode(llm.detokenize([token]))
             llm.eval([token])
             if index == len(replay) or time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
-                emit(out, {"id": rid, "event": "progress", "phase": "replay", "done": index, "total": len(replay)})
+                emit(out, Progress(rid, "replay", index, len(replay)))
                 reported = time.perf_counter()
         # llama_decode may return while the last batch's graph still runs on the workers: the prompt is done
         # when its logits can be read.
@@ -214,16 +219,13 @@ class Generator:
                 reason = "stop"
                 break
             generated += 1
-            emit(out, {"id": rid, "event": "token", "token": token,
-                        "text": decoder.decode(llm.detokenize([token]))})
+            emit(out, Token(rid, token, decoder.decode(llm.detokenize([token]))))
             if generated < budget:
                 llm.eval([token])
         tail = decoder.decode(b"", final=True)
         finished = time.perf_counter()
-        emit(out, {"id": rid, "event": "done", "reason": reason, "text": tail,
-                    "prompt_tokens": len(prompt_tokens), "replayed_tokens": len(replay),
-                    "completion_tokens": generated, "prompt_s": prompt_done - started,
-                    "decode_s": finished - prompt_done})
+        emit(out, Done(rid, reason, tail, prompt_tokens=len(prompt_tokens), replayed_tokens=len(replay),
+                       completion_tokens=generated, prompt_s=prompt_done - started, decode_s=finished - prompt_done))
 
 
 class RequestIds:
@@ -257,30 +259,30 @@ class RequestIds:
             self._cancelled.discard(rid)
 
 
-def _read_requests(generator: Generator, requests: queue.Queue[dict[str, Any] | None], out: IO[str]) -> None:
+def _read_requests(generator: Generator, requests: queue.Queue[Request | None], out: IO[str]) -> None:
     """Read stdin in its own thread, so that a cancel reaches a request while it generates."""
     for line in sys.stdin:
         try:
-            request = json.loads(line)
-        except json.JSONDecodeError:
-            emit(out, {"event": "error", "message": "request is not JSON"})
+            request = decode_request(line)
+        except ValueError as exc:
+            emit(out, Failed(f"bad request: {exc}"))
             continue
-        if request.get("op") == "cancel":
-            generator.requests.cancel(request.get("id"))
-        else:
-            if request.get("op") == "generate":
-                generator.requests.opened(request.get("id"))
-            requests.put(request)
+        if isinstance(request, Cancel):
+            generator.requests.cancel(request.id)
+            continue
+        if isinstance(request, Generate):
+            generator.requests.opened(request.id)
+        requests.put(request)
     requests.put(None)
 
 
 _EMIT = threading.Lock()  # the stdin reader thread may answer too
 
 
-def emit(out: IO[str], message: dict[str, Any]) -> None:
+def emit(out: IO[str], message: Answer) -> None:
     """Write one protocol line and flush it."""
     with _EMIT:
-        out.write(json.dumps(message) + "\n")
+        out.write(encode(message).decode())
         out.flush()
 
 
@@ -296,25 +298,21 @@ def main(argv: list[str] | None = None) -> int:
         register_rpc_servers(config.endpoints)
         generator = Generator.load(config)
     except (RuntimeError, ValueError, OSError) as exc:
-        emit(out, {"event": "error", "message": f"cannot load the model: {exc}"})
+        emit(out, Failed(f"cannot load the model: {exc}"))
         return 1
-    emit(out, {"event": "ready", "load_s": time.perf_counter() - started, "n_ctx": generator.llm.n_ctx(),
-                "n_vocab": generator.n_vocab})
-    requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    emit(out, Ready(time.perf_counter() - started, generator.llm.n_ctx(), generator.n_vocab))
+    requests: queue.Queue[Request | None] = queue.Queue()
     threading.Thread(target=_read_requests, args=(generator, requests, out), daemon=True).start()
     for request in iter(requests.get, None):
-        if request.get("op") == "generate":
+        if isinstance(request, Shutdown):
+            break
+        if isinstance(request, Generate):
             try:
                 generator.generate(request, out)
             except (RuntimeError, ValueError) as exc:
-                emit(out, {"id": request.get("id"), "event": "error", "message": str(exc)})
+                emit(out, Failed(str(exc), request.id))
             finally:
-                generator.requests.closed(request.get("id"))
-        elif request.get("op") == "shutdown":
-            break
-        else:
-            emit(out, {"id": request.get("id"), "event": "error",
-                        "message": f"unknown op {request.get('op')!r}"})
+                generator.requests.closed(request.id)
     return 0
 
 

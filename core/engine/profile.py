@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from core.engine import child
 from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
+from core.engine.protocol import Token
 from core.errors import ProfileError
 from core.model import ModelFacts
 from core.planner import NodeSpeed, split_for_counts
@@ -380,7 +381,7 @@ class _Run:
         """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
         started = time.perf_counter()
         token = choose_token(self.current, 0.0, None)
-        emit(out, {"event": "token", "token": token, "text": self.decoder.decode(self.llm.detokenize([token]))})
+        emit(out, Token(0, token, self.decoder.decode(self.llm.detokenize([token]))))  # as the coordinator does
         self.llm.eval([token])
         self.current = last_logits(self._lib, self.llm, self.n_vocab)
         return time.perf_counter() - started
