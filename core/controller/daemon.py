@@ -1303,7 +1303,3 @@ def main(argv: list[str] | None = None) -> int:
     # default). 0.2 ms: ssh decode +2-3% (paired rounds, two runs of 6 and 8).
     sys.setswitchinterval(GIL_SWITCH_S)
     return asyncio.run(serve(state))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
