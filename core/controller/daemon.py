@@ -18,12 +18,12 @@ import platform
 import signal
 import sys
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.controller.events import EventLog, Tasks
 from core.endpoints.api import ApiServer, serve_api
 from core.endpoints.control import serve_control
 from core.endpoints.prometheus import MetricsServer, serve_metrics
@@ -66,7 +66,6 @@ from core.status import (
     ClusterStatus,
     CoordinatorState,
     CoordinatorStatus,
-    Event,
     NodeState,
     NodeStatus,
 )
@@ -83,7 +82,6 @@ MAX_START_FAILURES = 5      # coordinator starts that fail within the recovery w
 RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-failed", "node-failed", "worker-hung",
                               "node-reconnecting", "node-reconnected"})
 MAX_RECOVERIES = 5          # per request
-EVENT_MEMORY = 50
 GIL_SWITCH_S = 0.0002        # the GIL switch interval in the controller (see main)
 METRICS_INTERVAL_S = 2.0    # how often each worker's CPU, memory and GPU use is sampled on its node
 LIVENESS_WINDOW_S = 1.0     # a silent pipeline is looked at twice this far apart before it is called hung
@@ -160,7 +158,8 @@ class Controller:
         self._rpc_remotes: list[SshRemote] = []  # the SSH nodes' RPC connections, on the relays' loop
         self._local_flags = local_cpu_flags()
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
-        self.events: deque[Event] = deque(maxlen=EVENT_MEMORY)
+        self.log = EventLog(state.events)
+        self.tasks = Tasks()
         self.plan: Plan | None = None
         self.profiles: Profiles | None = None
         self._profile_cache = ProfileCache(cache_dir() / "profiles")
@@ -170,7 +169,6 @@ class Controller:
         self._capacity = asyncio.Event()  # set: a node became ready, a failed plan may fit now
         self._load_rate: float | None = None  # bytes/s of the slowest model load so far (a cold one, usually)
         self._loads = 0  # coordinators that finished loading
-        self._event_seq = 0  # events recorded so far
         self._left_running: list[str] = []  # what `down` could not stop
         self.started_at = time.time()
         self.requests_served = 0
@@ -186,9 +184,7 @@ class Controller:
         self._request_lock = asyncio.Lock()
         # Every attempt of every request gets its own id: a cancel then reaches only the attempt it names.
         self._attempt_ids = itertools.count(1)
-        self._changed = asyncio.Event()  # set and replaced on every change
         self._stopping = False
-        self._tasks: set[asyncio.Task[None]] = set()
         self.finished = asyncio.Event()
 
     # --- status and events -------------------------------------------------------------------------
@@ -212,7 +208,7 @@ class Controller:
             cluster=self.inventory.cluster, model=self.model.name,
             coordinator=CoordinatorStatus(**vars(self.coordinator)),
             nodes=[self._node_status(runtime) for runtime in self.nodes.values()],
-            events=list(self.events), n_layers=self.model.n_layers,
+            events=list(self.log.recent), n_layers=self.model.n_layers,
             tensor_split=list(self.plan.tensor_split) if self.plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
             requests_in_flight=self.requests_waiting, recoveries=self.recoveries,
@@ -248,28 +244,18 @@ class Controller:
 
     def record(self, kind: str, message: str, node: str | None = None) -> None:
         """Log an event, keep it for `status`, and wake watchers."""
-        event = Event(time=time.time(), kind=kind, message=message, node=node)
-        self.events.append(event)
-        self._event_seq += 1
-        with contextlib.suppress(OSError), self.state.events.open("a") as handle:
-            handle.write(json.dumps(event.to_dict()) + "\n")
-        log.info("%s%s: %s", f"[{node}] " if node else "", kind, message)
-        self.notify()
+        self.log.record(kind, message, node)
 
     def notify(self) -> None:
         """Wake every watcher: something changed."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.log.notify()
 
     async def wait_change(self, timeout: float) -> None:
         """Return on the next change or after ``timeout``."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+        await self.log.wait_change(timeout)
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.spawn(coroutine)
 
     # --- nodes -------------------------------------------------------------------------------------
 
@@ -1120,7 +1106,7 @@ class Controller:
         """Until the coordinator is ready; meanwhile the client hears what the recovery runs into."""
         window = self.recovery_window()
         deadline = time.monotonic() + window
-        seen = self._event_seq
+        seen = self.log.count
         while not self._coordinator_ready.is_set():
             if self.coordinator.state == CoordinatorState.FAILED:
                 failed = "; ".join(f"{r.node.name} failed: {r.status.last_error}" for r in self.nodes.values()
@@ -1131,8 +1117,7 @@ class Controller:
                 raise RequestError(f"the cluster did not recover within {window:.0f}s "
                                    f"({self.coordinator.last_error or 'coordinator not ready'})")
             await self.wait_change(0.5)
-            news = list(self.events)[max(0, len(self.events) - (self._event_seq - seen)):]
-            seen = self._event_seq
+            news, seen = self.log.since(seen), self.log.count
             for event in news:
                 if event.kind in RECOVERY_NOTICES:
                     await send({"event": "notice", "message": f"{event.node}: {event.message}" if event.node
