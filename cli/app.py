@@ -17,7 +17,7 @@ from cli.render import check_table, deploy_table, plan_table, run_summary, statu
 from core import client
 from core.errors import ClusterError
 from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
-from core.planner import Plan
+from core.planner import Plan, PlanRow, choice_problem
 from core.status import ClusterStatus, NodeState
 
 app = typer.Typer(
@@ -282,17 +282,15 @@ def plan(
     """Show the layer plan for the running cluster and why each node got its part (changes nothing)."""
     inventory = _inventory(inventory_file, debug)
     chosen = strategy or inventory.strategy
-    if chosen not in client.STRATEGIES:
-        err.print(f"[red]error:[/red] --strategy {chosen}: use one of {', '.join(client.STRATEGIES)}")
-        raise typer.Exit(2)
-    if objective not in (None, "latency", "throughput"):
-        err.print(f"[red]error:[/red] --objective {objective}: use latency or throughput")
+    problem = choice_problem(chosen, objective)
+    if problem:
+        err.print(f"[red]error:[/red] --strategy/--objective: {problem}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     result, rows = _execute(client.explain_plan(inventory, chosen, objective))
     _print_plan(result, rows, as_json)
 
 
-def _print_plan(result: Plan, rows: list[client.PlanRow], as_json: bool) -> None:
+def _print_plan(result: Plan, rows: list[PlanRow], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps({**result.to_dict(), "rows": [row.to_dict() for row in rows]}, indent=2) + "\n")
         return

@@ -12,7 +12,8 @@ from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from core.client import NodeCheck, PlanRow
+from core.client import NodeCheck
+from core.planner import PlanRow
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 STATE_STYLE = {

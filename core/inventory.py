@@ -79,6 +79,9 @@ User = Annotated[str, Field(pattern=USER_PATTERN, min_length=1, max_length=64)]
 Host = Annotated[str, Field(pattern=HOST_PATTERN, max_length=255)]
 PathText = Annotated[str, BeforeValidator(_no_nul), Field(min_length=1, max_length=4096)]
 Backend = Literal["auto", "cpu", "cuda", "rocm", "vulkan", "metal"]
+# How layers are placed (the planner's strategies and objectives: the one list of them).
+Strategy = Literal["compute", "memory", "equal"]
+Objective = Literal["latency", "throughput"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 
 
@@ -175,9 +178,9 @@ class Inventory(_Frozen):
     # Seconds a request may go without progress before a worker counts as hung.
     watchdog: Annotated[int, Field(ge=1, le=3600, strict=True)] = 60
     # How layers are placed: by measured speed (compute), by free memory as llama.cpp does, or equally.
-    strategy: Literal["compute", "memory", "equal"] = "compute"
+    strategy: Strategy = "compute"
     # compute: least time per token (one request at a time) or the least bottleneck (a pipeline).
-    objective: Literal["latency", "throughput"] = "latency"
+    objective: Objective = "latency"
     api: Api = Field(default_factory=Api)
     metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import get_args
 
 import numpy as np
 
 from core.errors import PlanError
+from core.inventory import Inventory, Objective, Strategy
 from core.model import ModelFacts
+from core.status import ClusterStatus, NodeStatus
 
 # Head-room kept free on each node: compute buffers and the allocator's own needs.
 RESERVE_FRACTION = 0.10
@@ -193,8 +197,9 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
     through the pipeline); ``throughput`` minimises the slowest node's share (the pipeline's bottleneck).
     Nodes may be left without layers. Raises PlanError when no placement fits the memory caps.
     """
-    if objective not in ("latency", "throughput"):
-        raise PlanError(f"unknown objective {objective!r}", "fix: use latency or throughput")
+    problem = choice_problem("compute", objective)
+    if problem:
+        raise PlanError(problem)
     n, layers = len(nodes), model.n_layers
     if n == 0:
         raise PlanError("no worker is available to hold the model")
@@ -268,3 +273,142 @@ def predict_seconds(plan: Plan, speeds: Sequence[NodeSpeed], model: ModelFacts) 
 def with_prediction(plan: Plan, speeds: Sequence[NodeSpeed], model: ModelFacts, overhead_s: float) -> Plan:
     """``plan`` with each node's predicted share of a token and the coordinator's own share."""
     return replace(plan, predicted_s=predict_seconds(plan, speeds, model), overhead_s=overhead_s)
+
+
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+
+
+def choice_problem(strategy: str, objective: str | None) -> str | None:
+    """What is wrong with a strategy and objective (from a command line or a request), or None."""
+    if strategy not in STRATEGIES:
+        return f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}"
+    if objective is not None and objective not in OBJECTIVES:
+        return f"unknown objective {objective!r}: use {' or '.join(OBJECTIVES)}"
+    return None
+
+
+def choose(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], context: int, *,
+           speeds: Sequence[NodeSpeed] | None = None, objective: str = "latency") -> Plan:
+    """The plan of ``strategy``: ``compute`` by the nodes' measured ``speeds``, ``memory`` as llama.cpp splits
+    by free memory, ``equal`` the same share each. Raises PlanError for a bad choice or a plan that does not
+    fit."""
+    problem = choice_problem(strategy, objective)
+    if problem:
+        raise PlanError(problem)
+    if strategy == "compute":
+        if speeds is None:
+            raise PlanError("the compute strategy needs the nodes' measured speeds")
+        return plan_compute(model, nodes, speeds, context, objective)
+    return (plan_memory if strategy == "memory" else plan_equal)(model, nodes, context)
+
+
+# --- what the profiler measures ------------------------------------------------------------------------
+
+DEPTHS = (1, 4)        # layers on the node in the two layouts the profiler times side by side
+PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
+
+
+def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
+    """The two depths to time on a node with ``usable`` bytes; None when it cannot hold one layer.
+
+    A one-layer model, or a node that holds only one layer, can only be timed at one depth.
+    """
+    def need(depth: int) -> int:
+        return sum(model.layer_bytes[:depth]) + depth * model.kv_bytes(PROFILE_CONTEXT) + model.output_bytes
+
+    low = min(DEPTHS[0], model.n_layers)
+    if need(low) > usable:
+        return None
+    high = min(DEPTHS[1], model.n_layers)
+    while high > low and need(low) + need(high) > usable:  # both are loaded at once
+        high -= 1
+    return low, high
+
+
+# --- the plan explained --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One node in `plan`: what it would hold, what that costs per token, and why."""
+
+    name: str
+    layers: tuple[int, int] | None
+    share: float
+    needs: int
+    usable: int
+    why: str
+    predicted_ms: float | None = None  # this node's share of a token, when the nodes were measured
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain dict for JSON."""
+        data = dict(vars(self))
+        data["layers"] = list(self.layers) if self.layers else None
+        return data
+
+
+def snapshot_speeds(snapshot: ClusterStatus, nodes: list[NodeStatus], model: ModelFacts,
+                    usable: list[NodeCapacity]) -> tuple[list[NodeSpeed], float] | None:
+    """The measured cost model of ``nodes`` from a snapshot; None when they were not measured."""
+    speeds = []
+    for node, capacity in zip(nodes, usable, strict=True):
+        if node.fixed_ms is not None and node.layer_ms is not None:
+            speeds.append(NodeSpeed(node.fixed_ms / 1000, node.layer_ms / 1000, (node.output_ms or 0.0) / 1000))
+        elif depths_for(model, capacity.usable) is None:
+            speeds.append(NodeSpeed(math.inf, 0.0))  # cannot hold a layer, so it was not timed
+        else:
+            return None
+    return speeds, (snapshot.overhead_ms or 0.0) / 1000
+
+
+def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str,
+              objective: str | None = None) -> tuple[Plan, list[PlanRow]]:
+    """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part."""
+    caps = {node.name: node.memory for node in inventory.nodes}
+    usable = [node for node in snapshot.nodes if not node.left_out and node.mem_total]
+    capacities = [NodeCapacity(node.name, node.mem_free, caps.get(node.name)) for node in usable]
+    measured = snapshot_speeds(snapshot, usable, model, capacities)
+    if strategy == "compute" and measured is None:
+        raise PlanError("the nodes' speeds have not been measured (the cluster runs the "
+                        f"'{snapshot.strategy or inventory.strategy}' strategy)",
+                        "fix: run `ggml-cluster profile` to measure them")
+    plan = choose(strategy, model, capacities, inventory.context, speeds=measured[0] if measured else None,
+                  objective=objective or inventory.objective)
+    if measured is not None:
+        plan = with_prediction(plan, measured[0], model, measured[1])
+    rows = []
+    for node in snapshot.nodes:
+        if node not in usable:
+            rows.append(PlanRow(node.name, None, 0.0, 0, 0, f"left out: {node.last_error or node.state}"))
+            continue
+        index = plan.nodes.index(node.name)
+        speed = measured[0][index] if measured else None
+        why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
+                   context=inventory.context)
+        predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
+        rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
+                            capacities[index].usable, why, predicted))
+    return plan, rows
+
+
+def _why(plan: Plan, index: int, *, capacity: NodeCapacity, speed: NodeSpeed | None, model: ModelFacts,
+         strategy: str, context: int) -> str:
+    """A plain reason for what one node got."""
+    layers, share = plan.layers[index], plan.tensor_split[index]
+    count = 0 if layers is None else layers[1] - layers[0] + 1
+    if strategy != "compute":
+        rule = "its share of usable memory" if strategy == "memory" else "an equal share"
+        if layers is None:
+            return f"no layers: {rule} ({share:.1%}) is less than one of {model.n_layers + 1} slots"
+        return f"{count} of {model.n_layers} layers: {rule} ({share:.1%})"
+    assert speed is not None
+    cost = f"{speed.fixed_s * 1000:.2f} ms fixed + {speed.per_layer_s * 1000:.2f} ms/layer"
+    if layers is None:
+        if not math.isfinite(speed.fixed_s) or capacity.usable < min(model.layer_bytes) + model.kv_bytes(context):
+            return f"no layers: cannot hold one layer ({mib(capacity.usable)} usable)"
+        return f"no layers: it would add more time than it saves ({cost})"
+    room = capacity.usable - plan.bytes_needed[index]
+    if count < model.n_layers and room < max(model.layer_bytes) + model.kv_bytes(context):
+        return f"{count} of {model.n_layers} layers: as many as its memory holds ({cost})"
+    return f"{count} of {model.n_layers} layers: fastest placement ({cost})"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from core.client import plan_rows
 from core.errors import PlanError
 from core.inventory import parse_inventory
 from core.model import ModelFacts
+from core.planner import plan_rows
 from core.status import ClusterStatus, CoordinatorStatus, NodeState, NodeStatus
 
 GIB = 1 << 30

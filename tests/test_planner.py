@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from core.engine.profile import depths_for
 from core.errors import PlanError
 from core.inventory import embedded_inventory
 from core.model import ModelFacts, read_model, write_demo_model
@@ -17,6 +16,7 @@ from core.planner import (
     NodeCapacity,
     NodeSpeed,
     assign_layers,
+    depths_for,
     layer_ranges,
     plan_compute,
     plan_equal,
@@ -204,3 +204,24 @@ def test_the_embedded_default_puts_layers_on_both_demo_workers(tmp_path: Path, c
             plan_compute(demo, [node], speeds(cost[0]), inventory.context)
         low, high = depths_for(demo, node.usable) or (0, 0)
         assert 1 <= low < high
+
+
+def test_one_list_of_strategies_and_objectives_and_one_dispatch(tmp_path: Path) -> None:
+    from typing import get_args
+
+    from core.errors import PlanError
+    from core.inventory import Objective, Strategy
+    from core.planner import OBJECTIVES, STRATEGIES, choice_problem, choose
+
+    assert get_args(Strategy) == STRATEGIES and get_args(Objective) == OBJECTIVES
+    assert choice_problem("memory", None) is None and choice_problem("compute", "throughput") is None
+    assert choice_problem("fastest", None) == "unknown strategy 'fastest': use one of compute, memory, equal"
+    assert choice_problem("compute", "speed") == "unknown objective 'speed': use latency or throughput"
+    demo = read_model(write_demo_model(tmp_path / "demo.gguf"))
+    nodes = [NodeCapacity("a", 8 * GIB), NodeCapacity("b", 8 * GIB)]
+    assert choose("equal", demo, nodes, 512) == plan_equal(demo, nodes, 512)
+    assert choose("memory", demo, nodes, 512) == plan_memory(demo, nodes, 512)
+    with pytest.raises(PlanError, match="measured speeds"):
+        choose("compute", demo, nodes, 512)
+    with pytest.raises(PlanError, match="unknown strategy"):
+        choose("fastest", demo, nodes, 512)

@@ -11,7 +11,6 @@ from core.engine.profile import (
     NodeProfile,
     ProfileCache,
     cut_model,
-    depths_for,
     fit_node,
     fit_overhead,
     model_fingerprint,
@@ -20,7 +19,7 @@ from core.engine.profile import (
 )
 from core.errors import ProfileError
 from core.model import ModelFacts, read_model, write_demo_model
-from core.planner import NodeCapacity, plan_compute
+from core.planner import NodeCapacity, depths_for, plan_compute
 
 MIB = 1 << 20
 

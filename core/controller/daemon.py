@@ -53,9 +53,7 @@ from core.planner import (
     NodeCapacity,
     Plan,
     assign_layers,
-    plan_compute,
-    plan_equal,
-    plan_memory,
+    choose,
     with_prediction,
 )
 from core.rpc.relay import Link, Relay, RelayHost
@@ -743,13 +741,10 @@ class Controller:
         measured = {} if profiles is None else {
             name: speed for name, speed in zip(self.nodes, profiles.speeds(self.model, list(self.nodes)), strict=True)
             if profiles.nodes.get(name)}
-        if strategy == "compute" and profiles is not None:
-            plan = plan_compute(self.model, capacities, profiles.speeds(self.model, names), context,
-                                self.inventory.objective)
-        elif strategy == "equal":
-            plan = plan_equal(self.model, capacities, context)
-        else:
-            plan = plan_memory(self.model, capacities, context)
+        if strategy == "compute" and profiles is None:
+            strategy = "memory"  # the measurement failed, and said so: llama.cpp's own split meanwhile
+        plan = choose(strategy, self.model, capacities, context, objective=self.inventory.objective,
+                      speeds=profiles.speeds(self.model, names) if profiles else None)
         if profiles is not None and all(name in measured for name in plan.used):
             plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)
         self.plan = plan

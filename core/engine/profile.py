@@ -35,13 +35,11 @@ from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_lo
 from core.engine.protocol import Token
 from core.errors import ProfileError
 from core.model import ModelFacts
-from core.planner import NodeSpeed, split_for_counts
+from core.planner import DEPTHS, PROFILE_CONTEXT, NodeSpeed, depths_for, split_for_counts
 
-DEPTHS = (1, 4)        # layers on the node in the two layouts timed side by side
 WARMUP_TOKENS = 4      # first decode steps allocate and warm caches
 TIMED_TOKENS = 64
 JOB_TIMEOUT_S = 120.0  # one load and its timed steps; a big model over a slow link takes a while
-PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
 
 
 @dataclass(frozen=True)
@@ -184,23 +182,6 @@ def _write_cut(source: Path, layers: int, path: Path) -> None:
     for tensor in kept:
         writer.write_tensor_data(tensor.data)
     writer.close()
-
-
-def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
-    """The two depths to time on a node with ``usable`` bytes; None when it cannot hold one layer.
-
-    A one-layer model, or a node that holds only one layer, can only be timed at one depth.
-    """
-    def need(depth: int) -> int:
-        return sum(model.layer_bytes[:depth]) + depth * model.kv_bytes(PROFILE_CONTEXT) + model.output_bytes
-
-    low = min(DEPTHS[0], model.n_layers)
-    if need(low) > usable:
-        return None
-    high = min(DEPTHS[1], model.n_layers)
-    while high > low and need(low) + need(high) > usable:  # both are loaded at once
-        high -= 1
-    return low, high
 
 
 def one_hot(n: int, index: int, layers: int) -> tuple[int, ...]:
