@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import big_model
 from sharding import decode_ms, start_worker
 
-from core.controller.daemon import METRICS_INTERVAL_S
+from core.controller.fleet import METRICS_INTERVAL_S
 from core.nodes.build import cache_dir
 from core.nodes.sample import parse_sample, sample_command
 from core.rpc.relay import Relay, RelayHost

@@ -143,3 +143,10 @@ def test_a_local_command_that_starts_a_daemon_returns_on_the_controllers_loop() 
         assert uvloop.run(start_and_follow()) == ("started\n", ["one"])
     finally:
         subprocess.run(["pkill", "-f", "^sleep 29.75$"], check=False)  # the daemons this test started
+
+
+def test_the_node_commands_answers_are_parsed() -> None:
+    from core.nodes.worker import parse_count, parse_stopped
+
+    assert parse_count("   1234\n") == 1234 and parse_count("") == 0 and parse_count("wc: no such file") == 0
+    assert parse_stopped("T\n") and parse_stopped("Tl ") and not parse_stopped("Sl\n") and not parse_stopped("")

@@ -18,12 +18,14 @@ import platform
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from core.controller.events import EventLog, Tasks
+from core.controller.fleet import Fleet, FleetHooks
+from core.controller.health import READY_TIMEOUT_S, NodeRuntime
 from core.endpoints.api import ApiServer, serve_api
 from core.endpoints.control import serve_control
 from core.endpoints.prometheus import MetricsServer, serve_metrics
@@ -33,22 +35,18 @@ from core.engine.profile import ProfileCache, Profiles, Target, measure, model_f
 from core.errors import (
     ClusterError,
     ConnectError,
-    DeployError,
     PlanError,
     ProfileError,
     PromptError,
     RequestError,
-    WorkerDown,
     WorkerError,
 )
-from core.inventory import Inventory, Node
+from core.inventory import Inventory
 from core.liveness import Reading, moved
 from core.model import ModelFacts, read_model
 from core.nodes import worker
-from core.nodes.build import cache_dir, deploy_worker, deployable, node_root
-from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
-from core.nodes.remote import Remote, SshRemote, remote_for, shell_command
-from core.nodes.sample import Sample, parse_sample, process_cpu_seconds, sample_command, usage
+from core.nodes.build import cache_dir
+from core.nodes.sample import parse_sample, process_cpu_seconds, sample_command
 from core.planner import (
     NodeCapacity,
     Plan,
@@ -56,21 +54,16 @@ from core.planner import (
     choose,
     with_prediction,
 )
-from core.rpc.relay import Link, Relay, RelayHost
-from core.rpc.wire import probe_worker
 from core.service import GenerateRequest
 from core.state import Launch, StateDir, read_launch
 from core.status import (
     ClusterStatus,
     CoordinatorState,
     CoordinatorStatus,
-    NodeState,
-    NodeStatus,
 )
 
 log = logging.getLogger("ggml-cluster.controller")
 
-READY_TIMEOUT_S = 60.0      # a started worker must answer HELLO within this
 RECOVERY_TIMEOUT_S = 120.0  # a request waits at least this long for the cluster to come back
 LOAD_MIN_S = 60.0           # a model load may always take this long
 LOAD_SLACK = 4.0            # ... and this many times what the measured load rate predicts
@@ -81,14 +74,7 @@ RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-faile
                               "node-reconnecting", "node-reconnected"})
 MAX_RECOVERIES = 5          # per request
 GIL_SWITCH_S = 0.0002        # the GIL switch interval in the controller (see main)
-METRICS_INTERVAL_S = 2.0    # how often each worker's CPU, memory and GPU use is sampled on its node
 LIVENESS_WINDOW_S = 1.0     # a silent pipeline is looked at twice this far apart before it is called hung
-NODE_RETRY_MIN_S = 5.0      # a failed node is tried again after this, then twice as long each time ...
-NODE_RETRY_MAX_S = 60.0     # ... up to this
-RECONNECT_MAX_DELAY_S = 10.0  # between tries to reopen a lost connection
-# A node whose connection is gone is waited for this long (a network blip, a restarted sshd) before the cluster
-# re-plans without it; it is tried for as long as the controller runs, and used again once it is back.
-RECONNECT_GRACE_S = 30.0
 
 
 class CoordinatorLost(ClusterError):
@@ -114,29 +100,6 @@ class _Progress:
     first_token_s: float | None = None
 
 
-@dataclass
-class NodeRuntime:
-    """The controller's live view of one node."""
-
-    node: Node
-    remote: Remote
-    status: NodeStatus
-    spec: worker.WorkerSpec | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    starting: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its worker is started or stopped
-    endpoint: tuple[str, int] | None = None  # the worker, as this machine reaches it
-    relay: Relay | None = None
-    relayed: tuple[str, int] | None = None   # where the coordinator connects: the relay, or the worker itself
-    task: asyncio.Future[None] | None = None  # the node's life (_run_node)
-    failed: asyncio.Event = field(default_factory=asyncio.Event)  # set: give up on this worker, try again later
-    retry: asyncio.Event = field(default_factory=asyncio.Event)   # set: try a failed or unreachable node now
-    attempts: int = 0                         # tries to bring it back after it failed
-    outcomes: int = 0                         # tries that ended: ready, failed, or a reconnect that did not work
-    offset: int = 0                           # bytes of the worker's events.jsonl handled so far
-    down_since: float | None = None           # when the connection to it was lost (monotonic)
-    sampling: bool = False
-
-
 class Controller:
     """The daemon's state and tasks."""
 
@@ -145,19 +108,12 @@ class Controller:
         self.launch = launch
         self.state = state
         self.model: ModelFacts = read_model(Path(launch.model))
-        self.nodes: dict[str, NodeRuntime] = {}
-        for node in inventory.nodes:
-            self.nodes[node.name] = NodeRuntime(
-                node=node, remote=remote_for(node),
-                status=NodeStatus(name=node.name, host=node.host or "localhost", kind=node.kind,
-                                  rpc_port=node.rpc_port))
-        self._parallel = asyncio.Semaphore(PARALLEL_NODES)
-        self._relays = RelayHost()
-        self._rpc_remotes: list[SshRemote] = []  # the SSH nodes' RPC connections, on the relays' loop
-        self._local_flags = local_cpu_flags()
         self.coordinator = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.log = EventLog(state.events)
         self.tasks = Tasks()
+        self.fleet = Fleet(inventory, state, self.log, self.tasks, FleetHooks(
+            in_use=self._in_use, worker_lost=self._worker_lost, node_ready=self._node_ready), client=launch.protocol)
+        self.nodes = self.fleet.nodes
         self.plan: Plan | None = None
         self.profiles: Profiles | None = None
         self._profile_cache = ProfileCache(cache_dir() / "profiles")
@@ -205,7 +161,7 @@ class Controller:
         return ClusterStatus(
             cluster=self.inventory.cluster, model=self.model.name,
             coordinator=CoordinatorStatus(**vars(self.coordinator)),
-            nodes=[self._node_status(runtime) for runtime in self.nodes.values()],
+            nodes=self.fleet.statuses(),
             events=list(self.log.recent), n_layers=self.model.n_layers,
             tensor_split=list(self.plan.tensor_split) if self.plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
@@ -225,21 +181,6 @@ class Controller:
             return self.rates["decode"]
         return (len(current.generated) - 1) / (time.perf_counter() - current.started - current.first_token_s)
 
-    @staticmethod
-    def _node_status(runtime: NodeRuntime) -> NodeStatus:
-        """A copy of the node's status with its relay's counters."""
-        status = NodeStatus(**vars(runtime.status))
-        if runtime.endpoint is not None:
-            status.endpoint = f"{runtime.endpoint[0]}:{runtime.endpoint[1]}"
-        if runtime.relay is not None:
-            seen = runtime.relay.stats
-            status.computes, status.recomputes = seen.computes, seen.recomputes
-            status.bytes_to, status.bytes_from = seen.bytes_to, seen.bytes_from
-            status.compute_ms, status.link = seen.compute_ms, "connected" if seen.connected else "idle"
-        elif runtime.relayed is not None:
-            status.link = "direct"
-        return status
-
     def record(self, kind: str, message: str, node: str | None = None) -> None:
         """Log an event, keep it for `status`, and wake watchers."""
         self.log.record(kind, message, node)
@@ -255,308 +196,23 @@ class Controller:
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         self.tasks.spawn(coroutine)
 
-    # --- nodes -------------------------------------------------------------------------------------
+    # --- what the nodes tell ------------------------------------------------------------------------
 
-    async def start_nodes(self) -> None:
-        """Start or adopt every worker, then follow each node."""
-        for runtime in self.nodes.values():
-            runtime.task = asyncio.ensure_future(self._run_node(runtime))
+    def _in_use(self, name: str) -> bool:
+        """The running coordinator holds this node's worker."""
+        return self._process is not None and self.plan is not None and name in self.plan.used
 
-    async def _run_node(self, runtime: NodeRuntime) -> None:
-        """A node's whole life: bring its worker up (or adopt it) and follow it; a lost SSH connection is
-        reopened, and a failed node is tried again with backoff for as long as the controller runs."""
-        backoff = NODE_RETRY_MIN_S
-        while not self._stopping:
-            runtime.failed.clear()
-            try:
-                await self._bring_up_node(runtime)
-                await self._watch_node(runtime)
-                backoff = NODE_RETRY_MIN_S
-            except ClusterError as exc:
-                self._fail_node(runtime, str(exc))
-            if self._stopping:
-                return
-            if runtime.status.state == NodeState.FAILED:
-                runtime.status.retry_at = time.time() + backoff
-                self.notify()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(runtime.retry.wait(), backoff)
-                runtime.retry.clear()
-                runtime.status.retry_at = None
-                backoff = min(backoff * 2, NODE_RETRY_MAX_S)
-                if not self._stopping:
-                    runtime.attempts += 1
-                    self.record("node-retry", f"trying the node again (attempt {runtime.attempts})",
-                                runtime.node.name)
-
-    async def _bring_up_node(self, runtime: NodeRuntime) -> None:
-        """Reach and deploy the node (once), then start its worker under supervision or adopt the running one."""
-        name = runtime.node.name
-        status = runtime.status
-        if runtime.spec is None:
-            runtime.spec = await self._prepare(runtime)
-        else:
-            await runtime.remote.connect()  # a retry: whatever the connection went through since
-        spec = runtime.spec
-        runtime.offset = await self._events_size(spec, runtime.remote)
-        status.state = NodeState.STARTING
-        self.notify()
-        if await worker.running_supervisor(runtime.remote, spec) is None and await runtime.remote.port_open(
-                runtime.node.rpc_port, spec.bind):
-            # Probing it would talk to somebody else's server as if it were ours.
-            raise DeployError(f"node {name}: port {runtime.node.rpc_port} on {status.host} is already in "
-                              "use by another process", "fix: stop that process or set another rpc_port")
-        async with runtime.starting:
-            if self._stopping:
-                return  # `down` came first
-            adopted = await worker.start(runtime.remote, spec)
-        self.record("worker", "adopted the running worker" if adopted else "worker started", name)
-        await self._connect_worker(runtime)
-        if not runtime.sampling:
-            runtime.sampling = True
-            self._spawn(self._sample(runtime))
-
-    async def _connect_worker(self, runtime: NodeRuntime) -> None:
-        """Reach the node's worker (again): the endpoint this machine probes it on, the relay, and readiness.
-
-        A worker the running coordinator uses is ready as it is: it serves one client at a time, so a probe
-        would hang behind the coordinator (and the coordinator would have died had the worker gone)."""
-        spec = runtime.spec
-        if spec is None:
-            return
-        direct = runtime.node.kind == "ssh" and runtime.node.transport == "direct"
-        runtime.endpoint = (spec.bind, spec.port) if direct else await runtime.remote.endpoint(spec.port)
-        await self._relay(runtime, runtime.endpoint)
-        in_use = self._process is not None and self.plan is not None and runtime.node.name in self.plan.used
-        if in_use and runtime.status.pid is not None:
-            runtime.status.state = NodeState.READY
-            runtime.status.failures = 0
-            runtime.outcomes += 1
-            runtime.ready.set()
-            self.notify()
-        else:
-            runtime.status.state = NodeState.STARTING
-            runtime.ready.clear()
-            self._spawn(self._probe_until_ready(runtime))
-
-    async def _watch_node(self, runtime: NodeRuntime) -> None:
-        """Follow the worker's events until the node fails (or the controller stops); a follow that ends
-        means the connection to the node was lost: reconnect and carry on where it left off. Returns early
-        when the worker did not survive the lost connection: it is started afresh."""
-        while not self._stopping:
-            follow = asyncio.ensure_future(self._follow(runtime))
-            failed = asyncio.ensure_future(runtime.failed.wait())
-            await asyncio.wait([follow, failed], return_when=asyncio.FIRST_COMPLETED)
-            failed.cancel()
-            if not follow.done():
-                follow.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ClusterError):
-                    await follow
-                return  # failed: the node's life starts over after a backoff
-            with contextlib.suppress(ClusterError):
-                follow.result()
-            if self._stopping or runtime.failed.is_set() or not await self._reconnect(runtime):
-                return
-
-    async def _reconnect(self, runtime: NodeRuntime) -> bool:
-        """The connection to the node is gone (its worker may well be running): reopen it with backoff; False
-        when the worker is gone as well."""
-        name, status = runtime.node.name, runtime.status
-        lost = time.monotonic()
-        runtime.down_since = lost
-        status.state = NodeState.RECONNECTING
-        runtime.ready.clear()
-        self.record("node-reconnecting", f"lost the connection to {status.host}; reconnecting (its worker is "
-                    "left running)", name)
-        delay = 1.0
-        while not self._stopping:
-            try:
-                await runtime.remote.connect()
-                break
-            except ClusterError as exc:
-                status.last_error = str(exc)
-                runtime.outcomes += 1
-                self.notify()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(runtime.retry.wait(), delay)
-                runtime.retry.clear()
-                delay = min(delay * 2, RECONNECT_MAX_DELAY_S)
-        if self._stopping:
-            return False
-        runtime.down_since = None
-        spec = runtime.spec
-        current = await worker.running_supervisor(runtime.remote, spec) if spec is not None else None
-        if spec is not None and current is not None and current[1] == spec.command():
-            self.record("node-reconnected", f"reconnected after {time.monotonic() - lost:.1f}s; its worker "
-                        "ran on and was adopted", name)
-            await self._connect_worker(runtime)
-            return True
-        self.record("node-reconnected", f"reconnected after {time.monotonic() - lost:.1f}s; its worker is gone, "
-                    "starting a new one", name)
-        return False
-
-    async def _relay(self, runtime: NodeRuntime, endpoint: tuple[str, int]) -> None:
-        """The observing relay the coordinator reaches this worker through (started once per node).
-
-        Relays run on the relays' uvloop thread. A local node's connects over TCP; an SSH node's opens each
-        link as a channel on an SSH connection of its own (opened by the first link, on that loop), so RPC
-        never waits for the controller's loop. A `transport: direct` node has none: the user opened the
-        worker's port to take the shortest path, and a relay would add a hop to every RPC message (2-3% of
-        decode with two nodes, bench/relay.py), so its traffic is not observed.
-        """
-        if runtime.node.kind == "ssh" and runtime.node.transport == "direct":
-            runtime.relayed = endpoint
-            return
-        if runtime.relay is None:
-            name, spec = runtime.node.name, runtime.spec
-
-            def report(message: str) -> None:
-                self.record("relay", message, name)
-
-            connect = None
-            if runtime.node.kind == "ssh" and spec is not None:
-                rpc = SshRemote(runtime.node)
-                self._rpc_remotes.append(rpc)
-
-                def connect(link: Link) -> Coroutine[Any, Any, None]:
-                    return rpc.open_channel(spec.port, link)
-
-            runtime.relay, runtime.relayed = await self._relays.relay(endpoint, report, connect)
-        runtime.relay.target = endpoint
-
-    async def _sample(self, runtime: NodeRuntime) -> None:
-        """Sample the worker's CPU, memory and GPU use on its node, over the node's own connection."""
-        status = runtime.status
-        if runtime.spec is None:
-            return
-        command = sample_command(runtime.spec.workdir, status.backend)  # both are settled once the worker runs
-        previous: tuple[Sample, float] | None = None
-        while not self._stopping:
-            await asyncio.sleep(METRICS_INTERVAL_S)
-            try:
-                result = await runtime.remote.run(command, timeout=10)
-            except ConnectError:
-                result = None  # the node's connection is down; its events say so
-            sample = parse_sample(result.stdout) if result else None
-            now = time.monotonic()
-            seen = usage(previous[0] if previous else None, sample, now - previous[1] if previous else 0.0)
-            for key, value in vars(seen).items():
-                setattr(status, key, value)
-            previous = (sample, now) if sample else None
-            self.notify()
-
-    async def _prepare(self, runtime: NodeRuntime) -> worker.WorkerSpec:
-        """Reach, probe and deploy a node; a local node's worker is this machine's build for its backend."""
-        node, status, remote = runtime.node, runtime.status, runtime.remote
-        status.state = NodeState.CONNECTING
-        self.notify()
-        loop = asyncio.get_running_loop()
-
-        def progress(message: str, fraction: float | None) -> None:
-            loop.call_soon_threadsafe(self._show_progress, runtime, message, fraction)
-
-        async with self._parallel:
-            facts = await probe_node(remote)
-            status.arch = facts.arch
-            status.state = NodeState.DEPLOYING
-            self.notify()
-            deployment = await deploy_worker(remote, deployable(self.inventory, node), facts,
-                                             node_root(remote, node.workdir), local_flags=self._local_flags,
-                                             progress=progress)
-        status.backend = deployment.backend
-        status.detail = f"{deployment.reason}; worker {deployment.how}"
-        status.progress = None
-        status.last_status = ""  # it held deployment progress
-        self.record("deploy", f"{deployment.backend} worker {deployment.how} ({deployment.reason})", node.name)
-        direct = node.kind == "ssh" and node.transport == "direct"
-        return worker.WorkerSpec(node=node.name, workdir=worker.worker_dir(self.inventory, node, self.state, remote),
-                                 binary=deployment.binary, port=node.rpc_port, threads=node.threads,
-                                 bind=node.host if direct and node.host else "127.0.0.1",
-                                 cache=str(self.state.worker_cache) if node.kind == "local" else None)
-
-    def _show_progress(self, runtime: NodeRuntime, message: str, fraction: float | None) -> None:
-        runtime.status.last_status = message
-        runtime.status.progress = fraction
-        self.notify()
-
-    async def _events_size(self, spec: worker.WorkerSpec, remote: Remote) -> int:
-        path = worker.event_path(spec)
-        result = await remote.run(f"wc -c < {shell_command([path])} 2>/dev/null || echo 0")
-        text = result.stdout.strip()
-        return int(text) if text.isdigit() else 0
-
-    async def _follow(self, runtime: NodeRuntime) -> None:
-        """The supervisor's events from where the last follow left off, until the connection ends."""
-        if runtime.spec is None:
-            return
-        path = shell_command([worker.event_path(runtime.spec)])
-        async for line in runtime.remote.follow(f"tail -c +{runtime.offset + 1} -F {path} 2>/dev/null"):
-            runtime.offset += len(line.encode()) + 1
-            event = worker.parse_event(line)
-            if event is not None and not self._stopping:
-                await self._on_worker_event(runtime, event)
-
-    async def _on_worker_event(self, runtime: NodeRuntime, event: worker.WorkerEvent) -> None:
-        status = runtime.status
-        name = runtime.node.name
-        if event.kind == "started":
-            status.pid = event.pid
-            # Every restart follows an "exit", which clears `ready`; a "started" while ready is the
-            # process the probe has already checked (its event can arrive after the probe's answer).
-            if status.state != NodeState.STARTING and not runtime.ready.is_set():
-                status.state = NodeState.STARTING
-                self._spawn(self._probe_until_ready(runtime))
-            self.notify()
-        elif event.kind == "exit":
-            runtime.ready.clear()
-            status.state = NodeState.RESTARTING
-            status.restarts += 1
-            status.pid = None
-            text = await worker.read_log(runtime.remote, runtime.spec, event.log_offset or 0) if runtime.spec else ""
-            cause = worker.classify_exit(event.code if event.code is not None else -1, text)
-            status.last_status = cause
-            status.last_error = cause
-            self.record("worker-exit", f"worker exited after {event.ran_s}s: {cause}", name)
-            if not self._request_lock.locked():
-                # Idle, the coordinator would only find out on the next request; reconnect it now.
-                self._replan_after_loss(name)
-        elif event.kind == "backoff":
-            self.record("worker-restart", f"restarting the worker in {event.seconds}s", name)
-        elif event.kind == "failed":
-            self._fail_node(runtime, f"crash loop: {status.last_status}")
+    def _worker_lost(self, name: str, failed: bool) -> None:
+        """A worker exited (its supervisor restarts it) or its node failed: the coordinator's link to it is gone.
+        Idle, the coordinator would only find out on the next request: restart it now."""
+        if failed or not self._request_lock.locked():
             self._replan_after_loss(name)
 
-    async def _probe_until_ready(self, runtime: NodeRuntime) -> None:
-        status = runtime.status
-        if runtime.endpoint is None:
-            return
-        host, port = runtime.endpoint
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._stopping and status.state == NodeState.STARTING:
-            if self._process is not None and runtime.ready.is_set():
-                return  # in use by the coordinator: never probe a busy worker
-            try:
-                info = await probe_worker(host, port, timeout=3.0, client=self.launch.protocol)
-            except WorkerError as exc:
-                self._fail_node(runtime, str(exc))
-                return
-            except ClusterError as exc:
-                if time.monotonic() > deadline:
-                    self._fail_node(runtime, f"no HELLO answer within {READY_TIMEOUT_S:g}s: {exc}")
-                    return
-                await asyncio.sleep(0.2)
-                continue
-            status.mem_total, status.mem_free = info.mem_total, info.mem_free
-            status.state = NodeState.READY
-            status.failures = 0
-            runtime.outcomes += 1
-            runtime.ready.set()
-            self._capacity.set()
-            self.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
-                        f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB", runtime.node.name)
-            if self.plan is not None and runtime.node.name not in self.plan.nodes and self._coordinator_ready.is_set():
-                self._spawn(self._replan_when_idle(runtime))
-            return
+    def _node_ready(self, name: str) -> None:
+        """A node became ready: a plan that did not fit may now; a node the plan left out may be used again."""
+        self._capacity.set()
+        if self.plan is not None and name not in self.plan.nodes and self._coordinator_ready.is_set():
+            self._spawn(self._replan_when_idle(self.nodes[name]))
 
     async def _replan_when_idle(self, runtime: NodeRuntime) -> None:
         """A node the plan left out is back: re-plan to use it, between requests."""
@@ -569,97 +225,14 @@ class Controller:
             while self._loads == loads and self.coordinator.state != CoordinatorState.FAILED:
                 await self.wait_change(0.5)
 
-    def _fail_node(self, runtime: NodeRuntime, reason: str) -> None:
-        runtime.ready.clear()
-        runtime.status.state = NodeState.FAILED
-        runtime.status.last_error = reason
-        runtime.status.failures += 1
-        runtime.outcomes += 1
-        runtime.failed.set()
-        self.record("node-failed", f"{reason}; node excluded, tried again later", runtime.node.name)
-
     # --- plan and coordinator ----------------------------------------------------------------------
-
-    def _usable_nodes(self) -> list[NodeRuntime]:
-        """Nodes a plan may count on: not failed, and not unreachable for longer than a blip."""
-        now = time.monotonic()
-        return [runtime for runtime in self.nodes.values() if not runtime.status.left_out
-                and (runtime.down_since is None or now - runtime.down_since < RECONNECT_GRACE_S)]
-
-    async def _wait_nodes(self, timeout: float) -> list[NodeRuntime]:
-        """Wait until every usable node is ready; ``timeout`` runs from the last node done deploying."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if any(r.status.state in (NodeState.PENDING, NodeState.CONNECTING, NodeState.DEPLOYING)
-                   for r in self.nodes.values()):
-                deadline = time.monotonic() + timeout  # builds take as long as they take
-            usable = self._usable_nodes()
-            if usable and all(runtime.ready.is_set() for runtime in usable):
-                return usable
-            if not usable:
-                reasons = "; ".join(f"{r.node.name}: {r.status.last_error or r.status.state}"
-                                    for r in self.nodes.values())
-                raise PlanError(f"every node has failed or is unreachable ({reasons})")
-            if time.monotonic() > deadline:
-                waiting = ", ".join(f"{r.node.name} ({r.status.state})" for r in usable if not r.ready.is_set())
-                raise WorkerError(f"workers not ready after {timeout:g}s: {waiting}")
-            await self.wait_change(0.5)
-
-    async def _verified_nodes(self) -> list[NodeRuntime]:
-        """Ready nodes whose workers answer HELLO right now (the coordinator aborts on one that does not)."""
-        while True:
-            usable = await self._wait_nodes(READY_TIMEOUT_S)
-            answers = await asyncio.gather(*(self._verify(runtime) for runtime in usable))
-            if all(answers):
-                return usable
-
-    async def _verify(self, runtime: NodeRuntime) -> bool:
-        if runtime.endpoint is None or runtime.spec is None:
-            return False
-        pid = runtime.status.pid
-        try:
-            await probe_worker(*runtime.endpoint, timeout=3.0, client=self.launch.protocol)
-            return True
-        except WorkerError as exc:
-            self._fail_node(runtime, str(exc))
-            return False
-        except ClusterError as exc:
-            try:
-                supervisor = await worker.running_supervisor(runtime.remote, runtime.spec)
-            except ConnectError:
-                return False  # the node's connection is down: it reconnects, and is waited for a while
-            if supervisor is None:
-                self._fail_node(runtime, f"its worker and supervisor are gone ({exc})")
-                return False
-            if isinstance(exc, WorkerDown):
-                # Died a moment ago and its supervisor's "exit" is still on the way: killing it again now
-                # would kill its replacement and double the supervisor's backoff. Wait for it to come back
-                # instead (unless that exit, and maybe the restart, were handled while we probed).
-                if runtime.status.pid == pid and runtime.status.state == NodeState.READY:
-                    runtime.ready.clear()
-                    runtime.status.state = NodeState.RESTARTING
-                    self.record("worker-down", f"worker is not listening ({exc}); waiting for its supervisor "
-                                "to restart it", runtime.node.name)
-                return False
-            runtime.ready.clear()
-            runtime.status.state = NodeState.RESTARTING
-            self.record("worker-hung", f"worker does not answer ({exc}); killing it for its supervisor to "
-                        "restart", runtime.node.name)
-            await self._kill_worker(runtime)
-            return False
-
-    async def _kill_worker(self, runtime: NodeRuntime) -> None:
-        if runtime.spec is not None:
-            await worker.kill(runtime.remote, runtime.spec)
 
     async def _stopped_workers(self) -> list[NodeRuntime]:
         """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
         planned = [runtime for runtime in self.nodes.values() if self.plan is not None
-                   and runtime.node.name in self.plan.used and runtime.status.pid is not None]
-        states = await asyncio.gather(*(runtime.remote.run(f"ps -o stat= -p {int(runtime.status.pid or 0)}")
-                                        for runtime in planned), return_exceptions=True)
-        return [runtime for runtime, state in zip(planned, states, strict=True)
-                if not isinstance(state, BaseException) and state.stdout.strip().startswith("T")]
+                   and runtime.node.name in self.plan.used]
+        stopped = await asyncio.gather(*(self.fleet.health.stopped(runtime) for runtime in planned))
+        return [runtime for runtime, stop in zip(planned, stopped, strict=True) if stop]
 
     async def _reading(self) -> Reading:
         """What the planned part of the pipeline has done so far (bytes relayed, CPU used)."""
@@ -698,7 +271,7 @@ class Controller:
             f"; worker {names} is stopped" if stuck else "; nothing moved (no bytes, no CPU), no stopped worker found")
         self.record("watchdog", f"{cause}; killing {'it' if stuck else 'the coordinator'} and recovering")
         for runtime in stuck:
-            await self._kill_worker(runtime)
+            await self.fleet.health.kill(runtime)
         await self._kill_coordinator()
         return cause
 
@@ -770,7 +343,7 @@ class Controller:
         """
         self.coordinator.state = CoordinatorState.LOADING
         self.notify()
-        usable = await self._verified_nodes()
+        usable = await self.fleet.verified()
         measure_now = self.inventory.strategy == "compute" or self._reprofile
         profiles = await self._measure(usable) if measure_now else self.profiles
         plan = self.make_plan(usable, profiles)
@@ -1130,11 +703,7 @@ class Controller:
             return self._left_running
         self._stopping = True
         self.record("down", "stopping the cluster")
-        for runtime in self.nodes.values():
-            # A worker start under way finishes first, so that its worker is stopped too; none begins after.
-            async with runtime.starting:
-                if runtime.task is not None:
-                    runtime.task.cancel()
+        await self.fleet.stop_lives()
         process = self._process
         if process is not None and process.returncode is None:
             if process.stdin is not None:
@@ -1147,40 +716,18 @@ class Controller:
                 process.kill()
                 await process.wait()
         if stop_workers:
-            left = await asyncio.gather(*(self._stop_worker(r) for r in self.nodes.values() if r.spec))
-            self._left_running = [line for line in left if line]
+            self._left_running = await self.fleet.stop_workers()
             for line in self._left_running:
                 self.record("down-incomplete", line)
-        for rpc in self._rpc_remotes:
-            await self._relays.run(rpc.close())
-        await self._relays.close([runtime.relay for runtime in self.nodes.values() if runtime.relay])
-        for runtime in self.nodes.values():
-            await runtime.remote.close()
+        await self.fleet.close()
         self.finished.set()
         return self._left_running
-
-    async def _stop_worker(self, runtime: NodeRuntime) -> str | None:
-        """Stop a node's worker, reconnecting first if its connection was lost; why not, when it cannot."""
-        if runtime.spec is None:
-            return None
-        try:
-            if runtime.down_since is not None or runtime.status.state == NodeState.RECONNECTING:
-                await runtime.remote.connect()
-            await worker.stop(runtime.remote, runtime.spec)
-        except ClusterError as exc:
-            pid = f" (pid {runtime.status.pid})" if runtime.status.pid else ""
-            return (f"{runtime.node.name}: could not reach {runtime.status.host} ({exc}); its worker{pid} may still "
-                    "be running there: `ggml-cluster down` again stops it once the node is back")
-        return None
 
     async def retry(self) -> None:
         """`up` on a cluster that cannot serve all its nodes: try every failed or unreachable node now, and
         re-plan; returns once each has had its try and the coordinator has settled (or the window ran out)."""
-        waiting = [runtime for runtime in self.nodes.values()
-                   if runtime.status.left_out or runtime.status.state == NodeState.RECONNECTING]
-        outcomes = {runtime.node.name: runtime.outcomes for runtime in waiting}
-        for runtime in waiting:
-            runtime.retry.set()
+        outcomes = {runtime.name: runtime.outcomes for runtime in self.nodes.values()}
+        waiting = self.fleet.retry()
         self._capacity.set()
         deadline = time.monotonic() + self.recovery_window()
         while time.monotonic() < deadline:
@@ -1229,7 +776,7 @@ async def serve(state: StateDir) -> int:
     controller.record("controller", f"controller started (pid {os.getpid()})")
     _serve_metrics(controller, loop)
     await _serve_api(controller)
-    await controller.start_nodes()
+    controller.fleet.start()
     controller._spawn(controller._coordinator_loop())
     await controller.finished.wait()
     if controller.api is not None:

@@ -216,6 +216,33 @@ async def kill(remote: Remote, spec: WorkerSpec) -> None:
                      f"send KILL \"$(ours worker.pid {shell_command([spec.worker_marker()])})\"; true")
 
 
+async def events_size(remote: Remote, spec: WorkerSpec) -> int:
+    """Bytes in the supervisor's events file so far (0 when it has none): where following it starts."""
+    result = await remote.run(f"wc -c < {shell_command([event_path(spec)])} 2>/dev/null || echo 0")
+    return parse_count(result.stdout)
+
+
+def parse_count(text: str) -> int:
+    """A count `wc -c` printed (with the spaces some systems pad it with), or 0."""
+    text = text.strip()
+    return int(text) if text.isdigit() else 0
+
+
+def follow_command(spec: WorkerSpec, offset: int) -> str:
+    """Print the supervisor's events from byte ``offset`` on, and every one appended later."""
+    return f"tail -c +{int(offset) + 1} -F {shell_command([event_path(spec)])} 2>/dev/null"
+
+
+async def stopped(remote: Remote, pid: int) -> bool:
+    """Whether process ``pid`` on the node is stopped (SIGSTOP, a debugger): it holds a pipeline forever."""
+    return parse_stopped((await remote.run(f"ps -o stat= -p {int(pid)}")).stdout)
+
+
+def parse_stopped(text: str) -> bool:
+    """`ps -o stat=` of a stopped process starts with T (procps and BSD alike)."""
+    return text.strip().startswith("T")
+
+
 async def read_log(remote: Remote, spec: WorkerSpec, offset: int, limit: int = 65536) -> str:
     """The worker's log from ``offset`` (at most the last ``limit`` bytes of it)."""
     path = shell_command([f"{spec.workdir}/worker.log"])
