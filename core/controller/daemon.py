@@ -14,7 +14,6 @@ import itertools
 import json
 import logging
 import os
-import platform
 import signal
 import sys
 import time
@@ -26,17 +25,17 @@ from typing import Any
 from core.controller.events import EventLog, Tasks
 from core.controller.fleet import Fleet, FleetHooks
 from core.controller.health import READY_TIMEOUT_S, NodeRuntime
+from core.controller.placement import Placement
 from core.endpoints.api import ApiServer, serve_api
 from core.endpoints.control import serve_control
 from core.endpoints.prometheus import MetricsServer, serve_metrics
 from core.engine import child
-from core.engine.coordinator import FLASH_ATTENTION, CoordinatorConfig
-from core.engine.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
+from core.engine.coordinator import CoordinatorConfig
+from core.engine.profile import ProfileCache
 from core.errors import (
     ClusterError,
     ConnectError,
     PlanError,
-    ProfileError,
     PromptError,
     RequestError,
     WorkerError,
@@ -47,13 +46,6 @@ from core.model import ModelFacts, read_model
 from core.nodes import worker
 from core.nodes.build import cache_dir
 from core.nodes.sample import parse_sample, process_cpu_seconds, sample_command
-from core.planner import (
-    NodeCapacity,
-    Plan,
-    assign_layers,
-    choose,
-    with_prediction,
-)
 from core.service import GenerateRequest
 from core.state import Launch, StateDir, read_launch
 from core.status import (
@@ -114,11 +106,8 @@ class Controller:
         self.fleet = Fleet(inventory, state, self.log, self.tasks, FleetHooks(
             in_use=self._in_use, worker_lost=self._worker_lost, node_ready=self._node_ready), client=launch.protocol)
         self.nodes = self.fleet.nodes
-        self.plan: Plan | None = None
-        self.profiles: Profiles | None = None
-        self._profile_cache = ProfileCache(cache_dir() / "profiles")
-        self._model_id = model_fingerprint(Path(launch.model))
-        self._reprofile = False  # set by `profile`: measure again before the next plan
+        self.placement = Placement(inventory, self.model, model_path=Path(launch.model), protocol=launch.protocol,
+                                   state=state, log=self.log, cache=ProfileCache(cache_dir() / "profiles"))
         self._restart = asyncio.Event()  # set: the coordinator's owner should start a fresh one (a new plan)
         self._capacity = asyncio.Event()  # set: a node became ready, a failed plan may fit now
         self._load_rate: float | None = None  # bytes/s of the slowest model load so far (a cold one, usually)
@@ -158,21 +147,21 @@ class Controller:
 
     def snapshot(self) -> ClusterStatus:
         """The current status of everything."""
+        plan, profiles = self.placement.plan, self.placement.profiles
         return ClusterStatus(
             cluster=self.inventory.cluster, model=self.model.name,
             coordinator=CoordinatorStatus(**vars(self.coordinator)),
             nodes=self.fleet.statuses(),
             events=list(self.log.recent), n_layers=self.model.n_layers,
-            tensor_split=list(self.plan.tensor_split) if self.plan else [],
+            tensor_split=list(plan.tensor_split) if plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=self.requests_served,
             requests_in_flight=self.requests_waiting, recoveries=self.recoveries,
             prompt_tokens_per_s=self.rates["prompt"], decode_tokens_per_s=self._decode_rate(),
             metrics_endpoint=self.metrics.address if self.metrics else "",
             api_endpoint=self.api.address if self.api else "",
-            strategy=self.plan.strategy if self.plan else "",
-            predicted_ms=None if self.plan is None or self.plan.predicted_total_s is None
-            else self.plan.predicted_total_s * 1000,
-            overhead_ms=None if self.profiles is None else self.profiles.overhead_s * 1000)
+            strategy=plan.strategy if plan else "",
+            predicted_ms=None if plan is None or plan.predicted_total_s is None else plan.predicted_total_s * 1000,
+            overhead_ms=None if profiles is None else profiles.overhead_s * 1000)
 
     def _decode_rate(self) -> float | None:
         """Tokens/s of the request generating now (since its first token), else of the last one."""
@@ -200,7 +189,7 @@ class Controller:
 
     def _in_use(self, name: str) -> bool:
         """The running coordinator holds this node's worker."""
-        return self._process is not None and self.plan is not None and name in self.plan.used
+        return self._process is not None and self.placement.uses(name)
 
     def _worker_lost(self, name: str, failed: bool) -> None:
         """A worker exited (its supervisor restarts it) or its node failed: the coordinator's link to it is gone.
@@ -211,14 +200,14 @@ class Controller:
     def _node_ready(self, name: str) -> None:
         """A node became ready: a plan that did not fit may now; a node the plan left out may be used again."""
         self._capacity.set()
-        if self.plan is not None and name not in self.plan.nodes and self._coordinator_ready.is_set():
+        if self.placement.left_out(name) and self._coordinator_ready.is_set():
             self._spawn(self._replan_when_idle(self.nodes[name]))
 
     async def _replan_when_idle(self, runtime: NodeRuntime) -> None:
         """A node the plan left out is back: re-plan to use it, between requests."""
         async with self._request_lock:
-            if (self.plan is None or runtime.node.name in self.plan.nodes or not runtime.ready.is_set()
-                    or not self._coordinator_ready.is_set()):
+            if not (self.placement.left_out(runtime.name) and runtime.ready.is_set()
+                    and self._coordinator_ready.is_set()):
                 return
             loads = self._loads
             self.restart_coordinator(f"{runtime.node.name} is back; re-planning to use it")
@@ -229,15 +218,13 @@ class Controller:
 
     async def _stopped_workers(self) -> list[NodeRuntime]:
         """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
-        planned = [runtime for runtime in self.nodes.values() if self.plan is not None
-                   and runtime.node.name in self.plan.used]
+        planned = [runtime for runtime in self.nodes.values() if self.placement.uses(runtime.name)]
         stopped = await asyncio.gather(*(self.fleet.health.stopped(runtime) for runtime in planned))
         return [runtime for runtime, stop in zip(planned, stopped, strict=True) if stop]
 
     async def _reading(self) -> Reading:
         """What the planned part of the pipeline has done so far (bytes relayed, CPU used)."""
-        planned = [runtime for runtime in self.nodes.values()
-                   if self.plan is not None and runtime.node.name in self.plan.used]
+        planned = [runtime for runtime in self.nodes.values() if self.placement.uses(runtime.name)]
         relayed = sum(runtime.relay.stats.bytes_to + runtime.relay.stats.bytes_from
                       for runtime in planned if runtime.relay is not None)
         process = self._process
@@ -275,66 +262,6 @@ class Controller:
         await self._kill_coordinator()
         return cause
 
-    def _capacities(self, usable: list[NodeRuntime]) -> list[NodeCapacity]:
-        return [NodeCapacity(r.node.name, r.status.mem_free, r.node.memory) for r in usable]
-
-    def _profile_target(self, runtime: NodeRuntime, capacity: NodeCapacity) -> Target:
-        node, spec = runtime.node, runtime.spec
-        # Same node, same path to it, same worker build and settings, same graph, same model file: same speed.
-        identity = [node.name, node.kind, node.host, node.port, node.user, node.transport, runtime.status.backend,
-                    spec.binary if spec else "", spec.threads if spec else None, self.launch.protocol,
-                    f"flash_attn={FLASH_ATTENTION}"]
-        endpoint = runtime.relayed or ("", 0)  # timed on the coordinator's own path to the worker
-        return Target(node.name, f"{endpoint[0]}:{endpoint[1]}", profile_key(identity, self._model_id),
-                      capacity.usable)
-
-    async def _measure(self, usable: list[NodeRuntime]) -> Profiles | None:
-        """Each usable node's speed for this model (cached, or timed now); None when that fails."""
-        capacities = self._capacities(usable)
-        targets = [self._profile_target(r, c) for r, c in zip(usable, capacities, strict=True)]
-        refresh, self._reprofile = self._reprofile, False
-        overhead_key = profile_key(["coordinator", platform.node(), 1], self._model_id)
-        try:
-            profiles = await measure(self.model, targets, self._profile_cache, overhead_key,
-                                     self.state.profile_log, refresh=refresh)
-        except ProfileError as exc:
-            self.record("profile-failed", f"{exc}; placing layers by free memory instead")
-            return None
-        if profiles.measured:
-            self.record("profile", "measured " + ", ".join(profiles.measured) + "; coordinator "
-                        f"{profiles.overhead_s * 1000:.2f} ms/token")
-        return profiles
-
-    def make_plan(self, usable: list[NodeRuntime], profiles: Profiles | None) -> Plan:
-        """The inventory's strategy over the usable nodes, applied to their statuses."""
-        capacities = self._capacities(usable)
-        names = [r.node.name for r in usable]
-        context, strategy = self.inventory.context, self.inventory.strategy
-        # Only measured nodes have a speed; a node that could not hold a layer was never timed.
-        measured = {} if profiles is None else {
-            name: speed for name, speed in zip(self.nodes, profiles.speeds(self.model, list(self.nodes)), strict=True)
-            if profiles.nodes.get(name)}
-        if strategy == "compute" and profiles is None:
-            strategy = "memory"  # the measurement failed, and said so: llama.cpp's own split meanwhile
-        plan = choose(strategy, self.model, capacities, context, objective=self.inventory.objective,
-                      speeds=profiles.speeds(self.model, names) if profiles else None)
-        if profiles is not None and all(name in measured for name in plan.used):
-            plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)
-        self.plan = plan
-        self.profiles = profiles
-        for name, runtime in self.nodes.items():
-            status, speed = runtime.status, measured.get(name)
-            status.layers = status.predicted_ms = None
-            status.fixed_ms = speed.fixed_s * 1000 if speed else None
-            status.layer_ms = speed.per_layer_s * 1000 if speed else None
-            status.output_ms = speed.output_s * 1000 if speed else None
-        for index, (name, layers) in enumerate(zip(plan.nodes, plan.layers, strict=True)):
-            self.nodes[name].status.layers = layers
-            if plan.predicted_s and layers:
-                self.nodes[name].status.predicted_ms = plan.predicted_s[index] * 1000
-        self.state.plan.write_text(json.dumps(plan.to_dict(), indent=2))
-        return plan
-
     async def _start_coordinator(self) -> None:
         """Wait for the workers, plan, start the coordinator and wait until it has loaded the model.
 
@@ -344,9 +271,7 @@ class Controller:
         self.coordinator.state = CoordinatorState.LOADING
         self.notify()
         usable = await self.fleet.verified()
-        measure_now = self.inventory.strategy == "compute" or self._reprofile
-        profiles = await self._measure(usable) if measure_now else self.profiles
-        plan = self.make_plan(usable, profiles)
+        plan = await self.placement.place(usable, self.nodes)
         endpoints = []
         # A node without layers stays out: it would only add a connection the coordinator dies with.
         for name in plan.used:
@@ -356,11 +281,7 @@ class Controller:
             endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
         config = CoordinatorConfig(model=self.launch.model, endpoints=tuple(endpoints),
                                    tensor_split=plan.used_split, context=self.inventory.context)
-        layout = ", ".join(f"{name} {_layers(layers)}" for name, layers in zip(plan.nodes, plan.layers,
-                                                                             strict=True))
-        total = plan.predicted_total_s
-        predicted = "" if total is None else f"; predicted {total * 1000:.1f} ms/token"
-        self.record("plan", f"{plan.strategy} split {list(plan.tensor_split)}: {layout}{predicted}")
+        self.record("plan", self.placement.describe())
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:
             log_start = log_file.tell()
@@ -379,7 +300,9 @@ class Controller:
         load_s = time.monotonic() - started
         rate = self.model.path.stat().st_size / max(load_s, 1e-3)
         self._load_rate = rate if self._load_rate is None else min(self._load_rate, rate)
-        self._check_assignment(plan, log_start)
+        with self.state.coordinator_log.open("rb") as log_file:
+            log_file.seek(log_start)
+            self.placement.check(log_file.read().decode(errors="replace"))
         self.coordinator.state = CoordinatorState.READY
         self.coordinator.last_error = ""
         self._loads += 1
@@ -478,15 +401,6 @@ class Controller:
         self._capacity.clear()
         await self._capacity.wait()
 
-    def _check_assignment(self, plan: Plan, log_start: int) -> None:
-        """Compare llama.cpp's own layer placement (this coordinator's part of the log) with the plan."""
-        with self.state.coordinator_log.open("rb") as log_file:
-            log_file.seek(log_start)
-            seen = parse_layer_devices(log_file.read().decode(errors="replace"))
-        expected = assign_layers(plan.used_split, self.model.n_layers)
-        if seen and [seen.get(layer) for layer in range(len(expected))] != expected:
-            self.record("plan-mismatch", f"llama.cpp placed layers as {seen}, the plan expected {expected}")
-
     async def _read_coordinator(self, process: asyncio.subprocess.Process,
                                 messages: asyncio.Queue[dict[str, Any]]) -> None:
         """Pass one coordinator's lines to its own queue (a later coordinator has another), then its exit."""
@@ -513,7 +427,7 @@ class Controller:
     async def reprofile(self) -> None:
         """Measure the nodes again, re-plan and restart the coordinator, between requests."""
         async with self._request_lock:
-            self._reprofile = True
+            self.placement.remeasure = True
             loads = self._loads
             self.restart_coordinator("measuring the nodes again and re-planning")
             while self._loads == loads and self.coordinator.state != CoordinatorState.FAILED:
@@ -521,7 +435,7 @@ class Controller:
 
     def _replan_after_loss(self, name: str) -> None:
         """The coordinator's connection to ``name`` is gone: restart it (on the survivors if ``name`` failed)."""
-        if self.plan is not None and name in self.plan.used and self._process is not None:
+        if self.placement.uses(name) and self._process is not None:
             self.restart_coordinator(f"its connection to {name} is gone; restarting it")
 
     async def _kill_coordinator(self) -> None:
@@ -744,20 +658,6 @@ async def _drain(messages: asyncio.Queue[dict[str, Any]], until: Callable[[dict[
     with contextlib.suppress(TimeoutError):
         while not until(await asyncio.wait_for(messages.get(), timeout)):
             pass
-
-
-def parse_layer_devices(log_text: str) -> dict[int, int]:
-    """llama.cpp's 'layer N assigned to device RPCk' lines → {layer: k} (RPC devices only)."""
-    import re
-
-    seen: dict[int, int] = {}
-    for match in re.finditer(r"layer\s+(\d+) assigned to device RPC(\d+)", log_text):
-        seen[int(match.group(1))] = int(match.group(2))
-    return seen
-
-
-def _layers(layers: tuple[int, int] | None) -> str:
-    return f"layers {layers[0]}-{layers[1]}" if layers else "no layers"
 
 
 def _rate(count: object, seconds: object) -> float | None:
