@@ -26,6 +26,7 @@ from core.controller.events import EventLog, Tasks
 from core.controller.fleet import Fleet, FleetHooks
 from core.controller.health import READY_TIMEOUT_S, NodeRuntime
 from core.controller.placement import Placement
+from core.controller.watchdog import Watchdog
 from core.endpoints.api import ApiServer, serve_api
 from core.endpoints.control import serve_control
 from core.endpoints.prometheus import MetricsServer, serve_metrics
@@ -34,18 +35,15 @@ from core.engine.coordinator import CoordinatorConfig
 from core.engine.profile import ProfileCache
 from core.errors import (
     ClusterError,
-    ConnectError,
     PlanError,
     PromptError,
     RequestError,
     WorkerError,
 )
 from core.inventory import Inventory
-from core.liveness import Reading, moved
 from core.model import ModelFacts, read_model
 from core.nodes import worker
 from core.nodes.build import cache_dir
-from core.nodes.sample import parse_sample, process_cpu_seconds, sample_command
 from core.service import GenerateRequest
 from core.state import Launch, StateDir, read_launch
 from core.status import (
@@ -108,6 +106,8 @@ class Controller:
         self.nodes = self.fleet.nodes
         self.placement = Placement(inventory, self.model, model_path=Path(launch.model), protocol=launch.protocol,
                                    state=state, log=self.log, cache=ProfileCache(cache_dir() / "profiles"))
+        self.watchdog = Watchdog(self.fleet, self.placement, self.log, inventory.watchdog,
+                                 coordinator_pid=self._coordinator_pid, kill_coordinator=self._kill_coordinator)
         self._restart = asyncio.Event()  # set: the coordinator's owner should start a fresh one (a new plan)
         self._capacity = asyncio.Event()  # set: a node became ready, a failed plan may fit now
         self._load_rate: float | None = None  # bytes/s of the slowest model load so far (a cold one, usually)
@@ -216,52 +216,6 @@ class Controller:
 
     # --- plan and coordinator ----------------------------------------------------------------------
 
-    async def _stopped_workers(self) -> list[NodeRuntime]:
-        """Planned workers that are stopped (SIGSTOP, a debugger): they hold the pipeline forever."""
-        planned = [runtime for runtime in self.nodes.values() if self.placement.uses(runtime.name)]
-        stopped = await asyncio.gather(*(self.fleet.health.stopped(runtime) for runtime in planned))
-        return [runtime for runtime, stop in zip(planned, stopped, strict=True) if stop]
-
-    async def _reading(self) -> Reading:
-        """What the planned part of the pipeline has done so far (bytes relayed, CPU used)."""
-        planned = [runtime for runtime in self.nodes.values() if self.placement.uses(runtime.name)]
-        relayed = sum(runtime.relay.stats.bytes_to + runtime.relay.stats.bytes_from
-                      for runtime in planned if runtime.relay is not None)
-        process = self._process
-        coordinator = await asyncio.to_thread(process_cpu_seconds, process.pid) if process is not None else None
-        workers = await asyncio.gather(*(self._worker_cpu(runtime) for runtime in planned))
-        return Reading(relayed, coordinator, {runtime.node.name: cpu for runtime, cpu in zip(planned, workers,
-                                                                                               strict=True)})
-
-    async def _worker_cpu(self, runtime: NodeRuntime) -> float | None:
-        if runtime.spec is None:
-            return None
-        try:
-            result = await runtime.remote.run(sample_command(runtime.spec.workdir, "cpu"), timeout=10)
-        except ConnectError:
-            return None
-        sample = parse_sample(result.stdout)
-        return sample.cpu_s if sample is not None else None
-
-    async def _hung(self, waiting: str, messages: asyncio.Queue[dict[str, Any]]) -> str | None:
-        """The watchdog's bound passed in silence: None while the pipeline still works (a long prompt, a
-        replay, a slow link), else the cause, once what is stuck has been killed for recovery."""
-        bound = self.inventory.watchdog
-        stuck = await self._stopped_workers()
-        if not stuck:
-            before = await self._reading()
-            await asyncio.sleep(LIVENESS_WINDOW_S)
-            if not messages.empty() or moved(before, await self._reading()):
-                return None
-        names = ", ".join(runtime.node.name for runtime in stuck)
-        cause = f"watchdog: no progress for {bound}s {waiting}" + (
-            f"; worker {names} is stopped" if stuck else "; nothing moved (no bytes, no CPU), no stopped worker found")
-        self.record("watchdog", f"{cause}; killing {'it' if stuck else 'the coordinator'} and recovering")
-        for runtime in stuck:
-            await self.fleet.health.kill(runtime)
-        await self._kill_coordinator()
-        return cause
-
     async def _start_coordinator(self) -> None:
         """Wait for the workers, plan, start the coordinator and wait until it has loaded the model.
 
@@ -334,7 +288,7 @@ class Controller:
                     self.record("watchdog", f"{cause}; killing the coordinator and recovering")
                     await self._kill_coordinator()
                 else:
-                    found = await self._hung("while loading the model", messages)
+                    found = await self.watchdog.hung("while loading the model", lambda: not messages.empty())
                     if found is None:
                         continue
                     cause = found
@@ -438,6 +392,9 @@ class Controller:
         if self.placement.uses(name) and self._process is not None:
             self.restart_coordinator(f"its connection to {name} is gone; restarting it")
 
+    def _coordinator_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     async def _kill_coordinator(self) -> None:
         process = self._process
         if process is None or process.returncode is not None:
@@ -505,7 +462,8 @@ class Controller:
                 async with asyncio.timeout(self.inventory.watchdog):  # no task per token, unlike wait_for
                     answer = await messages.get()
             except TimeoutError:
-                cause = await self._hung(f"after {len(progress.generated)} tokens", messages)
+                waiting = f"after {len(progress.generated)} tokens"
+                cause = await self.watchdog.hung(waiting, lambda: not messages.empty())
                 if cause is None:
                     continue
                 await _drain(messages, lambda answer: answer.get("event") == "exit", 10)

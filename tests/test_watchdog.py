@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 
-from core.liveness import Reading, moved
+from core.controller.watchdog import Reading, moved
 from core.nodes.sample import process_cpu_seconds
 
 
