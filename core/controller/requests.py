@@ -1,0 +1,213 @@
+"""Requests: first come, first served; each runs on the coordinator and, when the coordinator is lost, resumes
+from its own tokens on the next one, so the client sees one stream with nothing lost or repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.controller.events import EventLog
+from core.controller.supervisor import CoordinatorSupervisor, drain
+from core.engine.protocol import Answer, Cancel, Done, Exited, Failed, Generate, Progress, PromptTokens, Token, encode
+from core.errors import PromptError, RequestError
+from core.service import GenerateRequest, Send
+from core.status import CoordinatorState
+
+MAX_RECOVERIES = 5  # per request
+# Events a request waiting for the cluster to come back passes on to its client, as notices.
+RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-failed", "node-failed", "worker-hung",
+                              "node-reconnecting", "node-reconnected"})
+
+
+@dataclass
+class RequestProgress:
+    """One request's state, kept across coordinator restarts so that it can resume."""
+
+    prompt_tokens: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+
+class RequestRunner:
+    """Runs requests one at a time on the supervisor's coordinator, with resume, watchdog and cancel."""
+
+    def __init__(self, supervisor: CoordinatorSupervisor, log: EventLog, bound_s: int,
+                 failed_nodes: Callable[[], str]) -> None:
+        """``bound_s``: the watchdog's bound; ``failed_nodes``: why the nodes that are left out are, for a
+        request the cluster cannot serve."""
+        self.supervisor = supervisor
+        self.log = log
+        self.bound_s = bound_s
+        self.failed_nodes = failed_nodes
+        self.lock = asyncio.Lock()  # held by the request generating (and by a re-plan between requests)
+        self.served = 0
+        self.waiting = 0            # in flight: generating, or queued behind the one that is
+        self.recoveries = 0
+        self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
+        self.current: RequestProgress | None = None
+        # Every attempt of every request gets its own id: a cancel then reaches only the attempt it names.
+        self._ids = itertools.count(1)
+
+    def decode_rate(self) -> float | None:
+        """Tokens/s of the request generating now (since its first token), else of the last one."""
+        current = self.current
+        if current is None or current.first_token_s is None or len(current.generated) < 2:
+            return self.rates["decode"]
+        return (len(current.generated) - 1) / (time.perf_counter() - current.started - current.first_token_s)
+
+    async def generate(self, request: GenerateRequest, send: Send) -> None:
+        """Run one request to completion, resuming it across coordinator restarts."""
+        self.waiting += 1
+        self.log.notify()
+        try:
+            async with self.lock:
+                progress = self.current = RequestProgress()
+                try:
+                    await self._resume_until_done(request, progress, send)
+                finally:
+                    self.current = None
+        finally:
+            self.waiting -= 1
+            self.log.notify()
+
+    async def _resume_until_done(self, request: GenerateRequest, progress: RequestProgress, send: Send) -> None:
+        while True:
+            await self._await_coordinator(progress.recoveries, send)
+            process, messages = self.supervisor.process, self.supervisor.messages
+            if process is None or process.stdin is None:
+                continue
+            cause = await self._attempt(request, progress, next(self._ids), process=process, messages=messages,
+                                        send=send)
+            if cause is None:
+                return
+            self.recoveries += 1
+            progress.recoveries.append({"at_token": len(progress.generated), "time": time.time(), "cause": cause})
+            if len(progress.recoveries) > MAX_RECOVERIES:
+                raise RequestError(f"gave up after {MAX_RECOVERIES} recoveries; last: {cause}")
+            await send({"event": "notice", "message": f"recovering: {cause}; resuming"})
+
+    async def _attempt(self, request: GenerateRequest, progress: RequestProgress, rid: int, *,
+                       process: asyncio.subprocess.Process, messages: asyncio.Queue[Answer],
+                       send: Send) -> str | None:
+        """Run the request on this coordinator: None once it is done, else why the coordinator was lost."""
+        # A resumed request continues exactly the tokens it started from: the prompt as first tokenised (a chat
+        # as first rendered with the model's template), then what it generated, replayed as first decoded.
+        prompt = progress.prompt_tokens is None
+        message = Generate(rid, request.max_tokens, request.temperature, request.seed,
+                           prompt=request.prompt if prompt and request.messages is None else None,
+                           messages=[{"role": role, "content": content} for role, content in request.messages]
+                           if prompt and request.messages is not None else None,
+                           prompt_tokens=progress.prompt_tokens, replay=list(progress.generated))
+        self.supervisor.set_state(CoordinatorState.GENERATING)
+        await _write(process, message)
+        while True:
+            try:
+                async with asyncio.timeout(self.bound_s):  # no task per token, unlike wait_for
+                    answer = await messages.get()
+            except TimeoutError:
+                cause = await self.supervisor.watchdog.hung(f"after {len(progress.generated)} tokens",
+                                                            lambda: not messages.empty())
+                if cause is None:
+                    continue
+                await drain(messages, lambda answer: isinstance(answer, Exited), 10)
+                return cause
+            if isinstance(answer, Exited):
+                return f"coordinator exited with {answer.code} after {len(progress.generated)} tokens"
+            if getattr(answer, "id", None) != rid:
+                continue
+            if isinstance(answer, PromptTokens):
+                progress.prompt_tokens = list(answer.tokens)
+            elif isinstance(answer, Progress):
+                self.supervisor.status.progress = f"{answer.phase} {answer.done}/{answer.total} tokens"
+                self.log.notify()
+            elif isinstance(answer, Token):
+                self.supervisor.status.progress = ""
+                self._note_token(progress, answer)
+                try:
+                    await send({"event": "token", "text": answer.text})
+                except ConnectionError:
+                    await self._cancel(process, messages, rid)
+                    raise
+            elif isinstance(answer, Failed):
+                self.supervisor.set_state(CoordinatorState.READY)
+                raise PromptError(answer.message)
+            elif isinstance(answer, Done):
+                self.supervisor.set_state(CoordinatorState.READY)
+                self.served += 1
+                self.rates = {"prompt": _rate(answer.prompt_tokens, answer.prompt_s),
+                              "decode": _rate(answer.completion_tokens, answer.decode_s)}
+                await self._finish(progress, answer, send)
+                return None
+
+    def _note_token(self, progress: RequestProgress, answer: Token) -> None:
+        progress.generated.append(answer.token)
+        progress.texts.append(answer.text)
+        if progress.first_token_s is None:
+            progress.first_token_s = time.perf_counter() - progress.started
+        last = progress.recoveries[-1] if progress.recoveries else None
+        if last is not None and "first_token_after_s" not in last:
+            last["first_token_after_s"] = time.time() - last["time"]
+            self.log.record("recovered", f"request resumed at token {last['at_token']}, "
+                            f"{last['first_token_after_s']:.2f}s after the fault was seen")
+
+    @staticmethod
+    async def _finish(progress: RequestProgress, answer: Done, send: Send) -> None:
+        if answer.text:
+            progress.texts.append(answer.text)
+            await send({"event": "token", "text": answer.text})
+        await send({
+            "event": "done", "text": "".join(progress.texts), "reason": answer.reason,
+            "prompt_tokens": len(progress.prompt_tokens or []), "completion_tokens": len(progress.generated),
+            "timings": {"total_s": time.perf_counter() - progress.started, "first_token_s": progress.first_token_s,
+                        "prompt_s": answer.prompt_s, "decode_s": answer.decode_s,
+                        "decode_tokens_per_s": _rate(answer.completion_tokens, answer.decode_s)},
+            "recoveries": progress.recoveries})
+
+    async def _cancel(self, process: asyncio.subprocess.Process, messages: asyncio.Queue[Answer], rid: int) -> None:
+        """The client went away: stop its request and wait until the coordinator is free again."""
+        self.log.record("cancelled", f"client disconnected; cancelling request {rid}")
+        await _write(process, Cancel(rid))
+        await drain(messages, lambda answer: isinstance(answer, Exited) or (
+            isinstance(answer, Done | Failed) and answer.id == rid), self.bound_s)
+        self.supervisor.set_state(CoordinatorState.READY)
+
+    async def _await_coordinator(self, recoveries: list[dict[str, Any]], send: Send) -> None:
+        """Until the coordinator is ready; meanwhile the client hears what the recovery runs into."""
+        supervisor = self.supervisor
+        window = supervisor.recovery_window()
+        deadline = time.monotonic() + window
+        seen = self.log.count
+        while not supervisor.ready.is_set():
+            if supervisor.status.state == CoordinatorState.FAILED:
+                raise RequestError(f"the cluster cannot serve ({self.failed_nodes() or 'no node failed'}): "
+                                   f"{supervisor.status.last_error}")
+            if time.monotonic() > deadline:
+                raise RequestError(f"the cluster did not recover within {window:.0f}s "
+                                   f"({supervisor.status.last_error or 'coordinator not ready'})")
+            await self.log.wait_change(0.5)
+            news, seen = self.log.since(seen), self.log.count
+            for event in news:
+                if event.kind in RECOVERY_NOTICES:
+                    await send({"event": "notice", "message": f"{event.node}: {event.message}" if event.node
+                                else event.message})
+        if recoveries and "resumed_after_s" not in recoveries[-1]:
+            recoveries[-1]["resumed_after_s"] = time.time() - recoveries[-1]["time"]
+
+
+async def _write(process: asyncio.subprocess.Process, message: Generate | Cancel) -> None:
+    if process.stdin is not None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # it died: its exit is on the way
+            process.stdin.write(encode(message))
+            await process.stdin.drain()
+
+
+def _rate(count: int, seconds: float) -> float | None:
+    return count / seconds if seconds > 0 else None
