@@ -24,7 +24,8 @@ from core.model import demo_model, read_model
 from core.nodes import worker
 from core.nodes.build import TARGET, Progress, cache_dir, decide_deployment, deployable, node_root, worker_binary
 from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
-from core.nodes.remote import Remote, remote_for
+from core.nodes.remote import remote_for
+from core.nodes.shell import Remote
 from core.nodes.worker import worker_dir
 from core.planner import (
     Plan,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from core.nodes.remote import PIDS
+from core.nodes.shell import PIDS
 from core.state import PidRecord, StateDir, process_command, process_start
 
 

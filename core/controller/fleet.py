@@ -17,8 +17,9 @@ from core.inventory import Inventory
 from core.nodes import worker
 from core.nodes.build import deploy_worker, deployable, node_root
 from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
-from core.nodes.remote import SshRemote, remote_for
+from core.nodes.remote import remote_for
 from core.nodes.sample import Sample, parse_sample, sample_command, usage
+from core.nodes.ssh import SshRemote
 from core.rpc.relay import Link, RelayHost
 from core.state import StateDir
 from core.status import NodeState, NodeStatus

@@ -14,7 +14,7 @@ from core.controller.events import EventLog
 from core.errors import ClusterError, ConnectError, WorkerDown, WorkerError
 from core.inventory import Node
 from core.nodes import worker
-from core.nodes.remote import Remote
+from core.nodes.shell import Remote
 from core.rpc.relay import Relay
 from core.rpc.wire import WorkerInfo, probe_worker
 from core.status import NodeState, NodeStatus

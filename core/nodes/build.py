@@ -31,7 +31,7 @@ from typing import TextIO
 from core.errors import DeployError
 from core.inventory import BuildPath, Inventory, Node
 from core.nodes.probe import NodeFacts, choose_backend, install_hint
-from core.nodes.remote import PIDS, Remote, free_bytes, shell_command
+from core.nodes.shell import PIDS, Remote, free_bytes, shell_command
 from core.version import Version
 
 PACKAGE = "llama-cpp-python"

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.nodes.remote import Remote
+from core.nodes.shell import Remote
 
 MIB = 2**20
 GIB = 2**30

@@ -17,7 +17,7 @@ from pathlib import Path
 from core.errors import DeployError
 from core.inventory import Inventory, Node
 from core.nodes.build import node_root
-from core.nodes.remote import PIDS, Remote, shell_command
+from core.nodes.shell import PIDS, Remote, shell_command
 from core.state import StateDir
 
 # The supervisor writes its pid files with pids.sh's functions.
