@@ -22,7 +22,8 @@ from core.errors import ClusterError, ConnectError, DeployError, InventoryError
 from core.inventory import Inventory, Node
 from core.model import demo_model, read_model
 from core.nodes import worker
-from core.nodes.build import TARGET, Progress, cache_dir, decide_deployment, deployable, node_root, worker_binary
+from core.nodes.build import TARGET, Progress, cache_dir, worker_binary
+from core.nodes.deploy import decide_deployment, deployable, node_root
 from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.shell import Remote

@@ -14,8 +14,6 @@ import pytest
 from core.errors import DeployError
 from core.nodes.build import (
     CACHE_ENV,
-    LEASE_MARKER,
-    _node_lock,
     build_key,
     cache_dir,
     cached_worker,
@@ -25,6 +23,7 @@ from core.nodes.build import (
     pinned_version,
     worker_binary,
 )
+from core.nodes.deploy import LEASE_MARKER, node_lock
 from core.nodes.remote import LocalRemote
 from core.state import PidRecord
 from core.version import Version
@@ -99,12 +98,12 @@ def test_a_nodes_build_lock_is_a_lease_that_the_next_build_waits_for(tmp_path: P
 
     async def take_turns() -> tuple[list[str], int]:
         order = []
-        async with _node_lock(LocalRemote("a"), str(lock), lambda message, _: said.append(message)):
+        async with node_lock(LocalRemote("a"), str(lock), lambda message, _: said.append(message)):
             owner = PidRecord.read(lock / "owner")
             assert owner is not None and owner.running(LEASE_MARKER)
 
             async def second() -> None:
-                async with _node_lock(LocalRemote("b"), str(lock), lambda message, _: said.append(message)):
+                async with node_lock(LocalRemote("b"), str(lock), lambda message, _: said.append(message)):
                     order.append("b")
 
             waiting = asyncio.create_task(second())

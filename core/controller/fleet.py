@@ -15,7 +15,7 @@ from core.controller.health import READY_TIMEOUT_S, NodeRuntime, Probe, WorkerHe
 from core.errors import ClusterError, ConnectError, DeployError, PlanError, WorkerError
 from core.inventory import Inventory
 from core.nodes import worker
-from core.nodes.build import deploy_worker, deployable, node_root
+from core.nodes.deploy import deploy_worker, deployable, node_root
 from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.sample import Sample, parse_sample, sample_command, usage

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from core.errors import DeployError
 from core.inventory import Inventory, Node
-from core.nodes.build import node_root
+from core.nodes.deploy import node_root
 from core.nodes.shell import PIDS, Remote, shell_command
 from core.state import StateDir
 
