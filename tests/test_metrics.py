@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from core.endpoints.prometheus import families
-from core.nodes.probe import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
+from core.nodes.gpus import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
 from core.nodes.sample import Sample, Usage, cpu_percent, parse_proc, parse_ps, parse_sample, sample_command, usage
 from core.state import PidRecord
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, NodeState, NodeStatus

@@ -13,34 +13,36 @@ from pathlib import Path
 
 import pytest
 
-from core.nodes.probe import (
+from core.nodes.gpus import (
     GIB,
     MIB,
+    DisplayAdapter,
+    Gpu,
+    VulkanDevice,
+    parse_nvidia_smi_csv,
+    parse_nvidia_smi_table,
+    parse_rocm_smi_csv,
+    parse_system_profiler_displays,
+    parse_vulkaninfo_summary,
+)
+from core.nodes.probe import (
     PROBE_COMMAND,
     TOOLCHAIN_COMMAND,
     CpuInfo,
-    DisplayAdapter,
-    Gpu,
     MemInfo,
     NodeFacts,
     OsInfo,
     Toolchain,
-    VulkanDevice,
     choose_backend,
     install_hint,
     parse_cpuinfo,
     parse_df,
     parse_meminfo,
     parse_node,
-    parse_nvidia_smi_csv,
-    parse_nvidia_smi_table,
     parse_os_release,
-    parse_rocm_smi_csv,
     parse_sysctl,
-    parse_system_profiler_displays,
     parse_toolchain,
     parse_uname,
-    parse_vulkaninfo_summary,
     split_sections,
 )
 

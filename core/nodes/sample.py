@@ -8,7 +8,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from core.nodes.probe import Gpu, make_script, parse_nvidia_smi_csv, parse_rocm_smi_csv, split_sections
+from core.nodes.gpus import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
+from core.nodes.probe import make_script, split_sections
 from core.nodes.shell import shell_command
 
 NVIDIA_USE_FIELDS = ("index", "name", "memory.total", "memory.free", "utilization.gpu")
