@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
-import math
 import os
 import re
-import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from core.errors import InventoryError
+from core.inventory_errors import SHORT, Locator, unconstructible, validate
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
 # Users and hosts reach ssh's own config expansion (ProxyCommand's %r and %h run through a shell), so they
@@ -47,7 +45,7 @@ def parse_size(value: object) -> int:
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*([A-Za-z]*)\s*", value)
         if not match or match.group(3).lower() not in _SIZE_UNITS:
-            raise ValueError(f"{_SHORT.repr(value)} is not a size; write it like 6GiB, 512MiB or 8GB")
+            raise ValueError(f"{SHORT.repr(value)} is not a size; write it like 6GiB, 512MiB or 8GB")
         whole, fraction, unit = match.group(1).lstrip("0"), match.group(2) or "", _SIZE_UNITS[match.group(3).lower()]
         if len(whole) > len(str(MAX_SIZE)):
             raise ValueError(_too_large(value))
@@ -64,7 +62,7 @@ def parse_size(value: object) -> int:
 
 
 def _too_large(value: object) -> str:
-    return f"{_SHORT.repr(value)} is more than 1 EiB (2**60 bytes); write the node's memory like 6GiB or 512MiB"
+    return f"{SHORT.repr(value)} is more than 1 EiB (2**60 bytes); write the node's memory like 6GiB or 512MiB"
 
 
 def _no_nul(value: object) -> object:
@@ -249,14 +247,14 @@ def parse_inventory(text: str, source: str) -> Inventory:
     except RecursionError:
         raise InventoryError(f"{source}: the YAML is nested too deeply", "fix: see inventory.example.yaml") from None
     except ValueError:  # a scalar PyYAML parses but cannot construct: too many digits, an impossible date
-        raise InventoryError(_unconstructible(text, source), "fix: correct it, or quote it to make it text") from None
+        raise InventoryError(unconstructible(text, source), "fix: correct it, or quote it to make it text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InventoryError(f"{source}:{where}: YAML syntax error: {problem}",
                              "fix: check indentation and quoting near that line") from None
-    locate = _Locator(source, tree)
+    locate = Locator(source, tree)
     if raw is None:
         raise InventoryError(f"{source}: the inventory is empty", "fix: see inventory.example.yaml")
     if not isinstance(raw, dict):
@@ -265,33 +263,9 @@ def parse_inventory(text: str, source: str) -> Inventory:
     return _build(raw, source, locate)
 
 
-def _unconstructible(text: str, source: str) -> str:
-    """``file:line: value is …`` for the first scalar that PyYAML's safe constructor refuses."""
-    constructor = yaml.SafeLoader("")
-    seen: set[int] = set()
-    pending = [yaml.compose(text)]
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in seen:  # aliases share nodes, and may form cycles
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.ScalarNode):
-            try:
-                constructor.construct_object(node)
-            except ValueError as exc:
-                what = "a number with too many digits" if node.tag.endswith(":int") else (
-                    f"not a valid date ({exc})" if node.tag.endswith(":timestamp") else f"unreadable ({exc})")
-                return f"{source}:{node.start_mark.line + 1}: {_SHORT.repr(node.value)} is {what}"
-        elif isinstance(node, yaml.SequenceNode):
-            pending.extend(reversed(node.value))
-        elif isinstance(node, yaml.MappingNode):
-            pending.extend(item for pair in reversed(node.value) for item in reversed(pair))
-    return f"{source}: a value cannot be read"
-
-
-def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
+def _build(raw: dict[str, Any], source: str, locate: Locator) -> Inventory:
     raw_defaults = raw.get("defaults") or {}
-    defaults = _validate(NodeDefaults, raw_defaults, ("defaults",), locate)
+    defaults = validate(NodeDefaults, raw_defaults, ("defaults",), locate)
     raw_nodes = raw.get("nodes")
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise InventoryError(locate.at(("nodes",), "needs a list with at least one node"),
@@ -305,18 +279,18 @@ def _build(raw: dict[str, Any], source: str, locate: _Locator) -> Inventory:
         merged = {**set_defaults, **raw_node}
         if "labels" in set_defaults and "labels" in raw_node and isinstance(raw_node["labels"], dict):
             merged["labels"] = {**set_defaults["labels"], **raw_node["labels"]}
-        nodes.append(_validate(Node, merged, where, locate, raw_node.get("name")))
+        nodes.append(validate(Node, merged, where, locate, raw_node.get("name")))
     _check_unique(nodes, locate)
     top = {key: value for key, value in raw.items() if key not in ("defaults", "nodes")}
     top.update(defaults=defaults, nodes=tuple(nodes), source=source)
     if "source" in raw:
         raise InventoryError(locate.at(("source",), "unknown key 'source'"), "fix: remove it")
-    inventory: Inventory = _validate(Inventory, top, (), locate)
+    inventory: Inventory = validate(Inventory, top, (), locate)
     _check_local_ports(inventory, locate)
     return inventory
 
 
-def _check_unique(nodes: Sequence[Node], locate: _Locator) -> None:
+def _check_unique(nodes: Sequence[Node], locate: Locator) -> None:
     names: dict[str, int] = {}
     ports: dict[tuple[str, int], int] = {}
     for index, node in enumerate(nodes):
@@ -335,7 +309,7 @@ def _check_unique(nodes: Sequence[Node], locate: _Locator) -> None:
         ports[key] = index
 
 
-def _check_local_ports(inventory: Inventory, locate: _Locator) -> None:
+def _check_local_ports(inventory: Inventory, locate: Locator) -> None:
     """The API and metrics ports on this machine must not be a local worker's port, nor each other."""
     # A listener on another address of this machine does not take the workers' loopback ports.
     local = LOOPBACK_HOSTS | {"0.0.0.0", "::"}
@@ -354,25 +328,6 @@ def _check_local_ports(inventory: Inventory, locate: _Locator) -> None:
                     f"fix: use another rpc_port or {section}.{field}")
 
 
-def _validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate: _Locator,
-              node_name: object = None) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        # A misspelt key also shows up as the real key missing; the misspelling is the useful report.
-        errors = sorted(exc.errors(), key=lambda item: item["type"] != "extra_forbidden")
-        error = errors[0]
-        loc = where + tuple(part for part in error["loc"] if part not in _UNION_TAGS)
-        message, fix = _explain(error, model)
-        label = f" ({_shown_key(node_name)})" if isinstance(node_name, str) and node_name else ""
-        raise InventoryError(locate.at(loc, message, label), fix) from None
-
-
-# pydantic names union members in error locations; they mean nothing to a user.
-_UNION_TAGS = frozenset({"literal['auto','remote','push']", "BuildPath", "int", "str",
-                         "function-after[_host_for_kind(), Node]"})
-
-
 def direct_warnings(inventory: Inventory) -> list[str]:
     """One warning per node whose unauthenticated RPC port is reachable from its network."""
     return [f"node {node.name}: transport: direct exposes the worker's unauthenticated RPC port on "
@@ -380,102 +335,6 @@ def direct_warnings(inventory: Inventory) -> list[str]:
             for node in inventory.nodes if node.kind == "ssh" and node.transport == "direct"]
 
 
-class _ShortRepr(reprlib.Repr):
-    """reprlib's short repr, also for integers too long for repr() (over 4300 digits)."""
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 4096:
-            return f"a number of about {int(x.bit_length() * math.log10(2))} digits"
-        return super().repr_int(x, level)
-
-
-# Shows a bad value in one short line, however big or deeply aliased (YAML anchors can nest a billion items).
-_SHORT = _ShortRepr()
-_SHORT.maxstring = _SHORT.maxother = 60
-_SHORT.maxlevel = 2
-
-
-# What a field with a pattern holds, and how to write one (names: cluster and node names).
-_PATTERN_ERRORS = {
-    "name": ("a valid name", "fix: use only letters, digits, '.', '_' and '-'"),
-    "user": ("a user name", "fix: use only letters, digits, '.', '_' and '-', not starting with '.' or '-'"),
-    "host": ("a host name or address",
-             "fix: use a host name, an IP address or a ~/.ssh/config alias, without spaces or shell characters"),
-}
-
-
-def _explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None]:
-    kind = error["type"]
-    got = _SHORT.repr(error.get("input"))
-    if kind == "extra_forbidden":
-        key = str(error["loc"][-1])
-        fields = list(getattr(model, "model_fields", {}))
-        close = difflib.get_close_matches(key, fields, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
-        return f"unknown key {_SHORT.repr(key)}", f"fix: {hint}"
-    if kind == "missing":
-        return "required field is missing", f"fix: add '{error['loc'][-1]}'"
-    if kind in ("int_type", "int_parsing", "int_from_float"):
-        return f"expected a whole number, got {got}", None
-    if kind in ("string_type",):
-        return f"expected text, got {got}", None
-    if kind == "literal_error":
-        return f"got {got}; {error['msg'].lower()}", None
-    if kind == "string_pattern_mismatch":
-        what, fix = _PATTERN_ERRORS.get(error["loc"][-1], _PATTERN_ERRORS["name"])
-        return f"{got} is not {what}", fix
-    if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"expected a mapping, got {got}", None
-    if kind in ("greater_than_equal", "less_than_equal", "too_short", "too_long"):
-        return f"{got}: {error['msg'].lower()}", None
-    if kind == "value_error":
-        return str(error["msg"]).removeprefix("Value error, "), None
-    return f"{error['msg']} (got {got})", None
-
-
-def _shown_key(key: object) -> str:
-    """A key or name as written when it is plain, else quoted and shortened (keeps the error one line)."""
-    return key if isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", key) else _SHORT.repr(key)
-
-
-class _Locator:
-    """Turns a field path into ``file: line N: nodes[1] (name).field: message``."""
-
-    def __init__(self, source: str, tree: yaml.Node | None) -> None:
-        self.source = source
-        self.tree = tree
-
-    def at(self, loc: tuple[str | int, ...], message: str, label: str = "") -> str:
-        path = ""
-        for part in loc:
-            path += f"[{part}]" if isinstance(part, int) else (f".{_shown_key(part)}" if path else _shown_key(part))
-            if isinstance(part, int) and path.startswith("nodes") and path.count("[") == 1:
-                path += label
-        line = self._line(loc)
-        where = f"{self.source}:{line}" if line else self.source
-        return f"{where}: {path}: {message}" if path else f"{where}: {message}"
-
-    def _line(self, loc: tuple[str | int, ...]) -> int | None:
-        node = self.tree
-        found = node.start_mark.line + 1 if node is not None else None
-        for part in loc:
-            if isinstance(node, yaml.MappingNode):
-                node = next((value for key, value in node.value if key.value == part), None)
-                if node is None:
-                    return found
-            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-                node = node.value[part]
-            else:
-                return found
-            found = node.start_mark.line + 1
-        return found
-
-
-# Each demo worker's `memory:`. The planner keeps 64 MiB of a node in reserve, which leaves 3 MiB: room for 6
-# of the demo model's 8 layers (0.48 MiB each with a 512-token KV cache), not for all 8 and the output layer
-# (4.0 MiB). So the demo shards across both workers, as a model too big for one machine does, where identical
-# workers would otherwise get every layer on one (the fastest plan). tests/test_planner.py checks both that
-# and that the model fits on the two.
 DEMO_WORKER_MEMORY = 67 << 20
 
 
