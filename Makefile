@@ -56,6 +56,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 unit: setup
 	$(BIN)/pytest -q -m "not integration"

@@ -84,6 +84,7 @@ def memory(node: NodeStatus) -> str:
     GPU nodes: device memory in use (nvidia-smi / rocm-smi). Others: the worker's resident memory against
     the memory it reported. ``-`` where the node never reported its memory.
     """
+    used: int | None
     if node.gpu_mem_used is not None and node.gpu_mem_total:
         used, total = node.gpu_mem_used, node.gpu_mem_total
     elif node.mem_total:
