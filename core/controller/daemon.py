@@ -15,20 +15,26 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.controller.events import EventLog, Tasks
 from core.controller.fleet import Fleet, FleetHooks
+from core.controller.health import Probe
 from core.controller.placement import Placement
 from core.controller.requests import RequestRunner
-from core.controller.supervisor import CoordinatorSupervisor
+from core.controller.supervisor import COORDINATOR, CoordinatorSupervisor
+from core.controller.watchdog import LIVENESS_WINDOW_S, Watchdog
 from core.endpoints.api import ApiServer, serve_api
 from core.endpoints.control import serve_control
 from core.endpoints.prometheus import MetricsServer, serve_metrics
 from core.engine.profile import ProfileCache
-from core.inventory import Inventory
+from core.inventory import Inventory, Node
 from core.model import read_model
 from core.nodes.build import cache_dir
+from core.nodes.remote import remote_for
+from core.nodes.shell import Remote
 from core.service import GenerateRequest, Send
 from core.state import Launch, StateDir, read_launch
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus
@@ -36,26 +42,39 @@ from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus
 GIL_SWITCH_S = 0.0002  # the GIL switch interval in the controller (see main)
 
 
+@dataclass(frozen=True)
+class Seams:
+    """The parts a test puts in place of the real ones (core.nodes.testing, tests/stub_coordinator.py)."""
+
+    reach: Callable[[Node], Remote] = remote_for   # how a node is reached
+    probe: Probe | None = None                     # how a worker is asked HELLO (None: over TCP)
+    coordinator: str = COORDINATOR                 # the module that runs as the coordinator
+    watchdog_s: float | None = None                # the watchdog's bound (None: the inventory's)
+    liveness_s: float = LIVENESS_WINDOW_S          # how long the watchdog watches before it calls a hang
+
+
 class Controller:
     """The cluster as the endpoints see it (the Service), built from its units."""
 
-    def __init__(self, inventory: Inventory, launch: Launch, state: StateDir, *,
-                 coordinator_module: str | None = None) -> None:
-        """``coordinator_module``: what runs as the coordinator (a test's stand-in), else llama-cpp-python's."""
+    def __init__(self, inventory: Inventory, launch: Launch, state: StateDir, seams: Seams | None = None) -> None:
+        seams = seams or Seams()
         self.inventory = inventory
         self.state = state
         self.model = read_model(Path(launch.model))
         self.log = EventLog(state.events)
         self.tasks = Tasks()
         self.fleet = Fleet(inventory, state, self.log, self.tasks, FleetHooks(
-            in_use=self._in_use, worker_lost=self._worker_lost, node_ready=self._node_ready), client=launch.protocol)
+            in_use=self._in_use, worker_lost=self._worker_lost, node_ready=self._node_ready), client=launch.protocol,
+            probe=seams.probe, reach=seams.reach)
         self.nodes = self.fleet.nodes
         self.placement = Placement(inventory, self.model, model_path=Path(launch.model), protocol=launch.protocol,
                                    state=state, log=self.log, cache=ProfileCache(cache_dir() / "profiles"))
-        module = {"module": coordinator_module} if coordinator_module else {}
+        bound = seams.watchdog_s if seams.watchdog_s is not None else inventory.watchdog
+        watchdog = Watchdog(self.fleet, self.placement, self.log, bound, seams.liveness_s)
         self.supervisor = CoordinatorSupervisor(inventory, self.model, state, log=self.log, tasks=self.tasks,
-                                                fleet=self.fleet, placement=self.placement, **module)
-        self.requests = RequestRunner(self.supervisor, self.log, inventory.watchdog, self._failed_nodes)
+                                                fleet=self.fleet, placement=self.placement, watchdog=watchdog,
+                                                module=seams.coordinator)
+        self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes)
         self.started_at = time.time()
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
@@ -183,9 +202,9 @@ class Controller:
                          if runtime.status.left_out)
 
 
-async def serve(state: StateDir, coordinator_module: str | None = None) -> int:
+async def serve(state: StateDir) -> int:
     """Run the controller for the cluster whose launch files are in ``state``."""
-    controller = Controller(*read_launch(state), state, coordinator_module=coordinator_module)
+    controller = Controller(*read_launch(state), state)
     server = await serve_control(controller, state.socket)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

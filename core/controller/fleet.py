@@ -13,12 +13,13 @@ from typing import Any
 from core.controller.events import EventLog, Tasks
 from core.controller.health import READY_TIMEOUT_S, NodeRuntime, Probe, WorkerHealth
 from core.errors import ClusterError, ConnectError, DeployError, PlanError, WorkerError
-from core.inventory import Inventory
+from core.inventory import Inventory, Node
 from core.nodes import worker
 from core.nodes.deploy import deploy_worker, deployable, node_root
 from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.sample import Sample, parse_sample, sample_command, usage
+from core.nodes.shell import Remote
 from core.nodes.ssh import SshRemote
 from core.rpc.relay import Link, RelayHost
 from core.state import StateDir
@@ -263,16 +264,17 @@ class Fleet:
     coordinator's observed path to each worker) and samples, and stopping them all."""
 
     def __init__(self, inventory: Inventory, state: StateDir, log: EventLog, tasks: Tasks, hooks: FleetHooks, *,
-                 client: Version, probe: Probe | None = None) -> None:
+                 client: Version, probe: Probe | None = None, reach: Callable[[Node], Remote] = remote_for) -> None:
         """``client``: the RPC version the coordinator speaks (workers must match it); ``probe``: how a worker
-        is asked HELLO (a test's stand-in; by default over TCP)."""
+        is asked HELLO, and ``reach``: how a node is reached (a test's stand-ins; by default TCP, and SSH or
+        this machine)."""
         self.inventory = inventory
         self.state = state
         self.log = log
         self.tasks = tasks
         self.hooks = hooks
         self.health = WorkerHealth(log, client, hooks.in_use, hooks.node_ready, probe)
-        self.nodes = {node.name: NodeRuntime(node=node, remote=remote_for(node), status=NodeStatus(
+        self.nodes = {node.name: NodeRuntime(node=node, remote=reach(node), status=NodeStatus(
             name=node.name, host=node.host or "localhost", kind=node.kind, rpc_port=node.rpc_port))
             for node in inventory.nodes}
         self.parallel = asyncio.Semaphore(PARALLEL_NODES)

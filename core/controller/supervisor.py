@@ -52,8 +52,9 @@ class CoordinatorSupervisor:
     """The coordinator process, its status, its messages (a queue per process) and the loop that owns it."""
 
     def __init__(self, inventory: Inventory, model: ModelFacts, state: StateDir, *, log: EventLog, tasks: Tasks,
-                 fleet: Fleet, placement: Placement, module: str = COORDINATOR) -> None:
-        """``module``: what runs as the coordinator (`python -m module CONFIG`; a test's stand-in speaks the same
+                 fleet: Fleet, placement: Placement, watchdog: Watchdog, module: str = COORDINATOR) -> None:
+        """``watchdog``: what decides that a silent load is hung (it reaches back here to kill the coordinator);
+        ``module``: what runs as the coordinator (`python -m module CONFIG`; a test's stand-in speaks the same
         protocol)."""
         self.inventory = inventory
         self.model = model
@@ -64,8 +65,8 @@ class CoordinatorSupervisor:
         self.placement = placement
         self.module = module
         self.status = CoordinatorStatus(endpoint=f"unix:{state.socket}")
-        self.watchdog = Watchdog(fleet, placement, log, inventory.watchdog, coordinator_pid=self.pid,
-                                 kill_coordinator=self.kill)
+        self.watchdog = watchdog
+        watchdog.watch(self.pid, self.kill)
         self.process: asyncio.subprocess.Process | None = None
         self.messages: asyncio.Queue[Answer] = asyncio.Queue()
         self.ready = asyncio.Event()      # set while a loaded coordinator runs
@@ -236,7 +237,7 @@ class CoordinatorSupervisor:
         deadline = started + self.load_deadline()
         while True:
             try:
-                async with asyncio.timeout(max(0.0, min(self.inventory.watchdog, deadline - time.monotonic()))):
+                async with asyncio.timeout(max(0.0, min(self.watchdog.bound_s, deadline - time.monotonic()))):
                     return await messages.get()
             except TimeoutError:
                 if time.monotonic() >= deadline:

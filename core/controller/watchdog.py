@@ -56,14 +56,21 @@ class Watchdog:
 
     ``coordinator_pid`` and ``kill_coordinator`` reach the coordinator's owner, which restarts it."""
 
-    def __init__(self, fleet: Fleet, placement: Placement, log: EventLog, bound_s: int, *,
-                 coordinator_pid: Callable[[], int | None], kill_coordinator: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, fleet: Fleet, placement: Placement, log: EventLog, bound_s: float,
+                 window_s: float = LIVENESS_WINDOW_S) -> None:
+        """``bound_s``: the silence (seconds) after which it looks; ``window_s``: how far apart its two readings
+        are. `watch` names the coordinator to kill."""
         self.fleet = fleet
         self.placement = placement
         self.log = log
         self.bound_s = bound_s
-        self._coordinator_pid = coordinator_pid
-        self._kill_coordinator = kill_coordinator
+        self.window_s = window_s
+        self._coordinator_pid: Callable[[], int | None] = lambda: None
+        self._kill_coordinator: Callable[[], Awaitable[None]] | None = None
+
+    def watch(self, pid: Callable[[], int | None], kill: Callable[[], Awaitable[None]]) -> None:
+        """The coordinator whose CPU counts as work, and how to kill it when the pipeline is hung."""
+        self._coordinator_pid, self._kill_coordinator = pid, kill
 
     async def hung(self, waiting: str, arrived: Callable[[], bool]) -> str | None:
         """None while the pipeline still works (``arrived``: a message came meanwhile), else the cause, once a
@@ -71,7 +78,7 @@ class Watchdog:
         stuck = await self.stopped()
         if not stuck:
             before = await self.reading()
-            await asyncio.sleep(LIVENESS_WINDOW_S)
+            await asyncio.sleep(self.window_s)
             if arrived() or moved(before, await self.reading()):
                 return None
         names = ", ".join(runtime.name for runtime in stuck)
@@ -80,7 +87,8 @@ class Watchdog:
         self.log.record("watchdog", f"{cause}; killing {'it' if stuck else 'the coordinator'} and recovering")
         for runtime in stuck:
             await self.fleet.health.kill(runtime)
-        await self._kill_coordinator()
+        if self._kill_coordinator is not None:
+            await self._kill_coordinator()
         return cause
 
     def _planned(self) -> list[NodeRuntime]:

@@ -1,0 +1,240 @@
+"""Recovery decisions, fast: the real controller in this process, over fake nodes (core.nodes.testing) and a
+stand-in coordinator that dies, stalls or fails on cue (tests/stub_coordinator.py). No worker, no SSH, no
+model: what is under test is what the controller decides and that the client's stream stays whole."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.controller.daemon import Controller, Seams
+from core.errors import ConnectError, WorkerDown
+from core.inventory import parse_inventory
+from core.model import write_demo_model
+from core.nodes.testing import FakeRemote, FakeWorker
+from core.rpc.wire import DeviceMemory, WorkerInfo
+from core.service import GenerateRequest
+from core.state import Launch, StateDir
+from core.status import CoordinatorState, NodeState
+from core.version import Version
+from tests.stub_coordinator import token_at
+
+pytestmark = pytest.mark.timeout(60)
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("model") / "demo.gguf")
+
+
+@dataclass
+class Harness:
+    controller: Controller
+    remotes: dict[str, FakeRemote]
+    workers: dict[str, FakeWorker]
+    hello: dict[str, str]  # node → ok | down | silent: how its worker answers HELLO
+
+    def kinds(self) -> list[str]:
+        return [event.kind for event in self.controller.log.recent]
+
+    async def until(self, condition: Any, what: str, timeout: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {self.kinds()}"
+            await self.controller.log.wait_change(0.05)
+
+    async def run(self, prompt: str, tokens: int, leave_after: int | None = None) -> tuple[str, dict[str, Any]]:
+        """A request's streamed text and its done event; ``leave_after``: the client goes away after that many
+        tokens (a ConnectionError from its send)."""
+        texts: list[str] = []
+        done: dict[str, Any] = {}
+
+        async def send(event: dict[str, Any]) -> None:
+            if event["event"] == "token":
+                if leave_after is not None and len(texts) >= leave_after:
+                    raise ConnectionResetError("the client went away")
+                texts.append(event["text"])
+            elif event["event"] == "done":
+                done.update(event)
+
+        await self.controller.generate(GenerateRequest(prompt=prompt, max_tokens=tokens), send)
+        return "".join(texts), done
+
+
+def expected(prompt: str, tokens: int) -> str:
+    """What the stub generates for ``prompt``, uninterrupted."""
+    ids = [1] + [byte % 50 + 3 for byte in prompt.encode()]
+    return "".join(f" t{token_at(ids, index)}" for index in range(tokens))
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, cues: dict[str, Any] | None = None,
+                  nodes: int = 2, memory: str = "") -> AsyncIterator[Harness]:
+    """A running controller over ``nodes`` fake nodes (each ``memory`` capped) and the stub coordinator."""
+    (tmp_path / "cues.json").write_text(json.dumps(cues or {}))
+    monkeypatch.setenv("GGML_STUB_CUES", str(tmp_path / "cues.json"))
+    lines = ["cluster: fake", "context: 512", "strategy: memory", "nodes:"]
+    for index in range(nodes):
+        lines += [f"  - {{name: n{index}, host: 127.0.0.{index + 1}, transport: direct, rpc_port: {50100 + index},"
+                  f" build: {{path: /opt/rpc/ggml-rpc-server}}{', memory: ' + memory if memory else ''}}}"]
+    inventory = parse_inventory("\n".join(lines) + "\n", str(tmp_path / "inventory.yaml"))
+    remotes = {f"n{index}": FakeRemote(f"n{index}") for index in range(nodes)}
+    workers = {name: FakeWorker(remote, f"/home/fake/.ggml-cluster/fake/{name}") for name, remote in remotes.items()}
+    hello = dict.fromkeys(remotes, "ok")
+    by_host = {f"127.0.0.{index + 1}": f"n{index}" for index in range(nodes)}
+
+    async def probe(host: str, port: int) -> WorkerInfo:
+        name = by_host[host]
+        if hello[name] == "silent" or workers[name].stopped:
+            raise ConnectError(f"{host}:{port} did not answer HELLO")
+        if hello[name] == "down" or not workers[name].answering:
+            raise WorkerDown(f"{host}:{port}: connection refused")
+        return WorkerInfo(Version(7, 0, 0), (DeviceMemory(8 * GIB, 8 * GIB),))
+
+    state = StateDir(tmp_path / "state").create()
+    launch = Launch(binary="/opt/rpc/ggml-rpc-server", protocol=Version(7, 0, 0), model=str(model))
+    controller = Controller(inventory, launch, state, Seams(
+        reach=lambda node: remotes[node.name], probe=probe, coordinator="tests.stub_coordinator", watchdog_s=0.3,
+        liveness_s=0.1))
+    harness = Harness(controller, remotes, workers, hello)
+    controller.start()
+    try:
+        await harness.until(controller.supervisor.ready.is_set, "the first coordinator")
+        yield harness
+    finally:
+        await controller.shutdown()
+
+
+def test_a_worker_that_exits_while_idle_is_restarted_and_the_coordinator_reconnects(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch) as fake:
+            fake.workers["n1"].exit(137)
+            await fake.until(lambda: fake.controller.supervisor.loads == 2, "the coordinator's reload")
+            assert fake.controller.nodes["n1"].status.restarts == 1
+            assert {"worker-exit", "coordinator-restart"} <= set(fake.kinds())
+            assert (await fake.run("hello", 12))[0] == expected("hello", 12)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_is_down_is_waited_for_and_one_that_is_hung_is_killed(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch) as fake:
+            health, n1 = fake.controller.fleet.health, fake.controller.nodes["n1"]
+            fake.hello["n1"] = "down"  # nothing listens: its supervisor's restart is on the way
+            assert not await health.verify(n1)
+            assert n1.status.state == NodeState.RESTARTING and fake.workers["n1"].kills == 0
+            n1.status.state = NodeState.READY
+            fake.hello["n1"] = "silent"  # it listens, and does not answer: hung
+            assert not await health.verify(n1)
+            assert fake.workers["n1"].kills == 1 and "worker-hung" in fake.kinds()
+            fake.workers["n1"].vanish()  # neither worker nor supervisor: the node is failed
+            assert not await health.verify(n1)
+            assert n1.status.state == NodeState.FAILED and "supervisor are gone" in n1.status.last_error
+
+    asyncio.run(scenario())
+
+
+def test_a_crash_loop_fails_the_node_and_the_cluster_replans_on_the_rest(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, nodes=3) as fake:
+            assert fake.controller.placement.plan is not None
+            assert fake.controller.placement.plan.used == ("n0", "n1", "n2")
+            fake.workers["n2"].crash_loop()
+            await fake.until(lambda: fake.controller.supervisor.loads == 2, "the re-plan")
+            plan = fake.controller.placement.plan
+            assert plan is not None and plan.nodes == ("n0", "n1") and plan.used == ("n0", "n1")
+            n2 = fake.controller.nodes["n2"].status
+            assert n2.left_out and "crash loop" in n2.last_error and n2.layers is None
+            assert (await fake.run("hello", 8))[0] == expected("hello", 8)
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_coordinator_resumes_the_request_with_the_exact_replay(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, {"die_at": {"1": 5}}) as fake:
+            text, done = await fake.run("The cluster", 20)
+            assert text == expected("The cluster", 20)  # the stub fails any replay that is not its own tokens
+            assert [recovery["at_token"] for recovery in done["recoveries"]] == [5]
+            assert "exited with 134" in done["recoveries"][0]["cause"]
+            assert fake.controller.supervisor.status.restarts == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_reaches_only_the_request_whose_client_left(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch) as fake:
+            with pytest.raises(ConnectionResetError):
+                await fake.run("a long one", 400, leave_after=3)
+            for prompt in ("the next", "and the one after"):
+                text, done = await fake.run(prompt, 10)
+                assert text == expected(prompt, 10) and done["reason"] == "length"
+            assert fake.kinds().count("cancelled") == 1
+            assert fake.controller.supervisor.status.state == CoordinatorState.READY
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_longer_than_the_watchdog_is_not_a_hang_and_a_stall_is(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        # Each 512-token batch of this prompt keeps the coordinator busy 0.35 s: longer than the 0.3 s bound.
+        cues = {"prompt_s": 0.35, "stall_at": {"2": 3}}
+        async with cluster(tmp_path, model, monkeypatch, cues) as fake:
+            prompt = "x" * 600
+            text, done = await fake.run(prompt, 6)
+            assert text == expected(prompt, 6) and done["recoveries"] == []
+            fake.controller.supervisor.restart("a fresh coordinator, which stalls after 3 tokens")
+            await fake.until(lambda: fake.controller.supervisor.loads == 2, "the second coordinator")
+            text, done = await fake.run("short", 8)
+            assert text == expected("short", 8)
+            assert [recovery["at_token"] for recovery in done["recoveries"]] == [3]
+            assert "nothing moved" in done["recoveries"][0]["cause"]
+
+    asyncio.run(scenario())
+
+
+def test_a_stopped_worker_is_named_and_killed_by_the_watchdog(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, {"stall_at": {"1": 4}}) as fake:
+            runner = asyncio.ensure_future(fake.run("stop", 10))
+            await fake.until(lambda: fake.controller.requests.current is not None
+                             and len(fake.controller.requests.current.generated) == 4, "four tokens")
+            fake.workers["n1"].stopped = True  # SIGSTOP: the pipeline waits on it forever
+            await fake.until(lambda: fake.workers["n1"].kills == 1, "the watchdog's kill")
+            text, done = await runner
+            assert text == expected("stop", 10)
+            assert "worker n1 is stopped" in done["recoveries"][0]["cause"]
+
+    asyncio.run(scenario())
+
+
+def test_a_coordinator_that_dies_again_during_its_reload_is_restarted_once_by_its_one_owner(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, {"die_at": {"1": 4}, "loading": {"2": "die"}}) as fake:
+            text, done = await fake.run("again", 12)
+            assert text == expected("again", 12) and len(done["recoveries"]) == 1
+            assert fake.kinds().count("coordinator-exit") == 2
+            assert "coordinator-retry" not in fake.kinds()
+            assert fake.controller.supervisor.status.restarts == 2
+            assert int((tmp_path / "cues.json.starts").read_text()) == 3  # three starts, no more
+
+    asyncio.run(scenario())
