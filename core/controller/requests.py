@@ -39,7 +39,7 @@ class RequestProgress:
 class RequestRunner:
     """Runs requests one at a time on the supervisor's coordinator, with resume, watchdog and cancel."""
 
-    def __init__(self, supervisor: CoordinatorSupervisor, log: EventLog, bound_s: int,
+    def __init__(self, supervisor: CoordinatorSupervisor, log: EventLog, bound_s: float,
                  failed_nodes: Callable[[], str]) -> None:
         """``bound_s``: the watchdog's bound; ``failed_nodes``: why the nodes that are left out are, for a
         request the cluster cannot serve."""
