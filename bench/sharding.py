@@ -53,6 +53,7 @@ from core.planner import (
     NodeCapacity,
     NodeSpeed,
     Plan,
+    device_bytes,
     plan_compute,
     plan_equal,
     plan_memory,
@@ -216,8 +217,8 @@ def feasible_splits(model: ModelFacts, capacities: Sequence[NodeCapacity]) -> li
         last = max(i for i, count in enumerate(counts) if count)
         start, fits = 0, True
         for i, count in enumerate(counts):
-            need = sum(model.layer_bytes[start:start + count]) + count * model.kv_bytes(CONTEXT)
-            fits &= need + (model.output_bytes if i == last else 0) <= capacities[i].usable
+            layers = (start, start + count - 1) if count else None
+            fits &= device_bytes(model, layers, CONTEXT, output=i == last) <= capacities[i].usable
             start += count
         if fits:
             splits.append(counts)
@@ -283,7 +284,7 @@ def compare(cluster: Cluster, candidates: dict[str, tuple[int, ...]], args: argp
 def skewed(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache: Path) -> dict[str, float]:
     names = ["fast", "slow", "far"]
     layer = model.layer_bytes[0] + model.kv_bytes(CONTEXT)
-    caps = [64 * MIB + 5 * layer + model.output_bytes + 4 * MIB, 24 << 30, 8 << 30]
+    caps = [64 * MIB + device_bytes(model, (0, 4), CONTEXT, output=True) + layer // 2, 24 << 30, 8 << 30]
     ports = [free_port() for _ in names]
     workers = [start_worker(ports[0]), start_worker(ports[1], baseline_worker()), start_worker(ports[2])]
     try:

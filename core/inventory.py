@@ -335,7 +335,7 @@ def direct_warnings(inventory: Inventory) -> list[str]:
             for node in inventory.nodes if node.kind == "ssh" and node.transport == "direct"]
 
 
-DEMO_WORKER_MEMORY = 67 << 20
+DEMO_WORKER_MEMORY = 74 << 20
 
 
 def embedded_inventory() -> Inventory:

@@ -10,64 +10,110 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import InventoryError
+from core.gguf_layout import read_layout
 
 DEMO_MODEL_NAME = "ggml-cluster-demo-v3.gguf"  # v3: a chat template
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
+# llama-cpp-python's default n_batch and n_ubatch, which the coordinator keeps: llama.cpp sizes its compute
+# buffers for a micro-batch of min(context, BATCH) tokens.
+BATCH = 512
+
+
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the planner and the dashboard need to know about a model."""
+    """What the planner and the dashboard need to know about a model, as llama.cpp lays it out on devices.
+
+    The output layer (``output_norm`` and ``output.weight``, or, when a model has no ``output.weight``, its tied
+    ``token_embd.weight``, which llama.cpp duplicates) goes to the device that holds the last layer; that
+    device also sends the logits (``n_vocab`` floats) to the coordinator every token. The input embeddings stay
+    on the coordinator's CPU.
+    """
 
     path: Path
     name: str
     architecture: str
     n_layers: int
     n_embd: int
-    layer_bytes: tuple[int, ...]   # weights of each repeating block
+    layer_bytes: tuple[int, ...]   # weights of each repeating block, at their own types
     output_bytes: int              # output norm + output matrix (llama.cpp's "layer" n_layers)
     input_bytes: int               # token embeddings; stay on the coordinator's CPU
-    kv_bytes_per_token_layer: int  # f16 K and V for one token in one layer
+    kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer (the largest layer's)
+    n_vocab: int = 0
+    n_ff: int = 0
+    tied_output: bool = False      # the output matrix is the token embeddings (no output.weight)
+    sliding_window: int = 0        # tokens, for architectures with sliding-window layers
+    kv_layer_token_bytes: tuple[int, ...] = ()  # per layer, where the architecture varies its KV heads
 
     def kv_bytes(self, context: int) -> int:
-        """KV-cache bytes of one layer at a context size."""
+        """KV-cache bytes of the largest layer at a context size."""
         return self.kv_bytes_per_token_layer * context
+
+    def layer_kv_bytes(self, layer: int, context: int) -> int:
+        """KV-cache bytes of one layer at a context size.
+
+        Sliding-window layers hold the whole context too: the coordinator keeps llama.cpp's full-size SWA
+        cache, which lets a request's tokens be rolled back and replayed from any position.
+        """
+        per_token = self.kv_layer_token_bytes[layer] if self.kv_layer_token_bytes else self.kv_bytes_per_token_layer
+        return per_token * context
+
+    @property
+    def logits_bytes(self) -> int:
+        """What the last device sends the coordinator per token: one f32 logit per vocabulary entry."""
+        return self.n_vocab * 4
+
+    def compute_bytes(self, context: int, *, last: bool) -> int:
+        """The compute buffer llama.cpp reserves on a device that holds layers, for the largest micro-batch.
+
+        Activations: 4·n_ff + 4.3·n_embd floats per token of the micro-batch, and 8 bytes per (token, KV cell) of
+        attention masks, one per KV cache (two with sliding-window layers); calibrated against llama.cpp's
+        reported reserve on llama and gemma3 models (within 2%). The last device also holds the logits of every
+        token of the micro-batch (llama.cpp reserves for the case that all are wanted): with a large vocabulary
+        this is the biggest buffer of all (262,144 tokens: 512 MiB).
+        """
+        batch = min(context, BATCH)
+        caches = 2 if self.sliding_window else 1
+        size = int(batch * 4 * (4 * self.n_ff + 4.3 * self.n_embd)) + batch * 8 * context * caches
+        return size + (batch * self.logits_bytes if last else 0)
 
 
 def read_model(path: Path) -> ModelFacts:
-    """Read layer count and per-layer sizes from a GGUF file."""
-    from gguf import GGUFReader
+    """Read layer count, per-layer sizes and the architecture's attention shape from a GGUF file."""
+    layout = read_layout(path)
+    field = layout.get
 
-    try:
-        reader = GGUFReader(path)
-    except FileNotFoundError:
-        raise InventoryError(f"model: no such file {path}", "fix: point 'model' at a .gguf file") from None
-    except (ValueError, OSError) as exc:
-        raise InventoryError(f"model: {path} is not a readable GGUF file: {exc}") from None
-
-    def field(key: str, default: object = None) -> object:
-        item = reader.get_field(key)
-        return item.contents() if item is not None else default
+    def number(key: str, default: int) -> int:
+        value = field(key, default)
+        return int(max(value) if isinstance(value, list) and value else str(value))  # per-layer arrays: the largest
 
     arch = str(field("general.architecture", "unknown"))
-    n_layers = int(str(field(f"{arch}.block_count", 0)))
-    n_embd = int(str(field(f"{arch}.embedding_length", 0)))
-    n_head = int(str(field(f"{arch}.attention.head_count", 1)))
-    n_head_kv = int(str(field(f"{arch}.attention.head_count_kv", n_head)))
-    head_k = int(str(field(f"{arch}.attention.key_length", n_embd // max(n_head, 1))))
-    head_v = int(str(field(f"{arch}.attention.value_length", head_k)))
+    n_layers = number(f"{arch}.block_count", 0)
+    n_embd = number(f"{arch}.embedding_length", 0)
+    n_head = number(f"{arch}.attention.head_count", 1)
+    head_k = number(f"{arch}.attention.key_length", n_embd // max(n_head, 1))
+    head_v = number(f"{arch}.attention.value_length", head_k)
+    kv_heads = field(f"{arch}.attention.head_count_kv", n_head)
+    per_layer_heads = [int(heads) for heads in kv_heads] if isinstance(kv_heads, list) else []
     layer_bytes = [0] * n_layers
     output_bytes = input_bytes = 0
-    for tensor in reader.tensors:
+    names = set()
+    for tensor in layout.tensors:
+        names.add(tensor.name)
         match = _BLOCK.match(tensor.name)
         if match and int(match.group(1)) < n_layers:
-            layer_bytes[int(match.group(1))] += int(tensor.n_bytes)
+            layer_bytes[int(match.group(1))] += tensor.n_bytes
         elif tensor.name.startswith("token_embd"):
-            input_bytes += int(tensor.n_bytes)
+            input_bytes += tensor.n_bytes
         else:
-            output_bytes += int(tensor.n_bytes)
+            output_bytes += tensor.n_bytes
+    tied = "output.weight" not in names and "token_embd.weight" in names
+    if tied:
+        output_bytes += next(tensor.n_bytes for tensor in layout.tensors if tensor.name == "token_embd.weight")
     if n_layers <= 0:
         raise InventoryError(f"model: {path} declares no layers ({arch}.block_count)")
+    per_token = [2 * (head_k + head_v) * heads for heads in per_layer_heads[:n_layers]]
     return ModelFacts(
         path=path,
         name=path.name,
@@ -77,7 +123,12 @@ def read_model(path: Path) -> ModelFacts:
         layer_bytes=tuple(layer_bytes),
         output_bytes=output_bytes,
         input_bytes=input_bytes,
-        kv_bytes_per_token_layer=2 * (head_k + head_v) * n_head_kv,
+        kv_bytes_per_token_layer=max(per_token) if per_token else 2 * (head_k + head_v) * int(str(kv_heads)),
+        n_vocab=number("tokenizer.ggml.tokens", 0) or number(f"{arch}.vocab_size", 0),
+        n_ff=number(f"{arch}.feed_forward_length", 0),
+        tied_output=tied,
+        sliding_window=number(f"{arch}.attention.sliding_window", 0),
+        kv_layer_token_bytes=tuple(per_token) if len(set(per_token)) > 1 else (),
     )
 
 

@@ -130,12 +130,9 @@ def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndar
     split = tuple(round(float(value), 6) for value in shares)
     assignment = assign_layers(split, model.n_layers)
     ranges = layer_ranges(assignment, len(nodes), model.n_layers)
-    needed = [0] * len(nodes)
-    for slot, device in enumerate(assignment):
-        if slot < model.n_layers:
-            needed[device] += model.layer_bytes[slot] + model.kv_bytes(context)
-        else:
-            needed[device] += model.output_bytes
+    output_device = assignment[model.n_layers]
+    needed = [device_bytes(model, ranges[device], context, output=device == output_device)
+              for device in range(len(nodes))]
     short = [(node, need) for node, need in zip(nodes, needed, strict=True) if need > node.usable]
     if short:
         total_need = sum(needed)
@@ -150,6 +147,20 @@ def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndar
         bytes_needed=tuple(needed),
         strategy=strategy,
     )
+
+
+def device_bytes(model: ModelFacts, layers: tuple[int, int] | None, context: int, *, output: bool) -> int:
+    """What llama.cpp allocates on a device that holds ``layers`` (inclusive) and, with ``output``, the output layer:
+    weights, KV cache, and the compute buffer (with the logits when it holds the output layer)."""
+    if layers is None and not output:
+        return 0
+    size = 0
+    if layers is not None:
+        size += sum(model.layer_bytes[layers[0]:layers[1] + 1])
+        size += sum(model.layer_kv_bytes(layer, context) for layer in range(layers[0], layers[1] + 1))
+    if output:
+        size += model.output_bytes
+    return size + model.compute_bytes(context, last=output)
 
 
 def mib(size: int) -> str:
@@ -203,7 +214,10 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
     n, layers = len(nodes), model.n_layers
     if n == 0:
         raise PlanError("no worker is available to hold the model")
-    per_layer = np.array([size + model.kv_bytes(context) for size in model.layer_bytes], dtype=np.int64)
+    per_layer = np.array([size + model.layer_kv_bytes(layer, context) for layer, size in enumerate(model.layer_bytes)],
+                         dtype=np.int64)
+    compute = model.compute_bytes(context, last=False)
+    compute_last = model.compute_bytes(context, last=True) + model.output_bytes
     prefix = np.concatenate(([0], np.cumsum(per_layer)))
     work = _layer_work(model)
     combine: Callable[[float, float], float] = operator.add if objective == "latency" else max
@@ -218,8 +232,8 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
                 continue
             for take in range(layers - placed + 1):
                 need = int(prefix[placed + take] - prefix[placed])
-                if take and placed + take == layers:
-                    need += model.output_bytes
+                if take:
+                    need += compute_last if placed + take == layers else compute
                 if need > node.usable:
                     break
                 cost = 0.0
@@ -232,7 +246,7 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
                     best[i + 1][placed + take] = total
                     choice[i + 1][placed + take] = take
     if not np.isfinite(best[n][layers]):
-        total_need = int(prefix[-1]) + model.output_bytes
+        total_need = int(prefix[-1]) + compute_last
         usable = sum(node.usable for node in nodes)
         raise PlanError(f"the model ({mib(total_need)} with a {context}-token KV cache) does not fit on "
                         f"{n} node(s) with {mib(usable)} usable in all",
@@ -243,9 +257,8 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
         placed -= counts[i - 1]
     split = split_for_counts(counts)
     ranges = layer_ranges(assign_layers(split, layers), n, layers)
-    needed = [int(prefix[r[1] + 1] - prefix[r[0]]) if r else 0 for r in ranges]
     last = max(index for index, count in enumerate(counts) if count > 0)
-    needed[last] += model.output_bytes
+    needed = [device_bytes(model, r, context, output=index == last) for index, r in enumerate(ranges)]
     return Plan(nodes=tuple(node.name for node in nodes), tensor_split=split, layers=tuple(ranges),
                 bytes_needed=tuple(needed), strategy=f"compute ({objective})")
 
@@ -315,7 +328,7 @@ def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
     A one-layer model, or a node that holds only one layer, can only be timed at one depth.
     """
     def need(depth: int) -> int:
-        return sum(model.layer_bytes[:depth]) + depth * model.kv_bytes(PROFILE_CONTEXT) + model.output_bytes
+        return device_bytes(model, (0, depth - 1), PROFILE_CONTEXT, output=True)
 
     low = min(DEPTHS[0], model.n_layers)
     if need(low) > usable:

@@ -38,7 +38,7 @@ def test_memory_plan_explains_every_node() -> None:
     assert big.layers == (0, 7) and big.why.startswith("8 of 8 layers: its share of usable memory")
     assert tiny.layers is None and tiny.why.startswith("no layers: its share of usable memory (0.0%)")
     assert dead.why == "left out: crash loop: exit code 1"
-    assert big.needs == 8 * ((10 << 20) + 2048 * 256) + (5 << 20)
+    assert big.needs == 8 * ((10 << 20) + 2048 * 256) + (5 << 20) + MODEL.compute_bytes(2048, last=True)
 
 
 def test_equal_plan_splits_evenly_and_checks_memory() -> None:
@@ -80,7 +80,8 @@ def test_compute_plan_explains_every_node() -> None:
 
 def test_compute_plan_says_when_memory_decides() -> None:
     small = snapshot()
-    small.nodes[0].mem_free = small.nodes[0].mem_total = (64 << 20) + 3 * (10 << 20) + 3 * 2048 * 256 + (1 << 20)
+    small.nodes[0].mem_free = small.nodes[0].mem_total = (
+            (64 << 20) + 3 * (10 << 20) + 3 * 2048 * 256 + MODEL.compute_bytes(2048, last=False) + (1 << 20))
     small.nodes[1].mem_free = small.nodes[1].mem_total = 4 * GIB
     _, rows = plan_rows(measured(small, {"big": (1.0, 1.0), "tiny": (1.0, 5.0)}), INVENTORY, MODEL, "compute")
     assert [row.layers for row in rows[:2]] == [(0, 2), (3, 7)]

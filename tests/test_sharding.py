@@ -14,6 +14,7 @@ import pytest
 
 from core.model import demo_model, read_model
 from core.nodes.build import cache_dir
+from core.planner import device_bytes
 from tests.harness import Cluster
 from tests.test_cluster import PROMPT, single_process
 
@@ -22,11 +23,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 RESERVE = 64 << 20  # the planner keeps this much free on a small node
 
 
-def cap_for(layers: int) -> int:
-    """A `memory:` cap that holds exactly ``layers`` demo layers (and the output layer) at context 512."""
+def cap_for(layers: int, *, last: bool) -> int:
+    """A `memory:` cap that holds exactly ``layers`` demo layers (with ``last``, also the output layer) at context
+    512, with their KV cache and compute buffer."""
     model = read_model(demo_model(cache_dir()))
     per_layer = model.layer_bytes[0] + model.kv_bytes(512)
-    return RESERVE + layers * per_layer + model.output_bytes + per_layer // 2
+    return RESERVE + device_bytes(model, (0, layers - 1), 512, output=last) + per_layer // 2
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,9 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="gcs-", dir="/tmp"))
-    cluster = Cluster(root, nodes=3, strategy=None, extra={0: [f"memory: {cap_for(3)}"],
+    cluster = Cluster(root, nodes=3, strategy=None, extra={0: [f"memory: {cap_for(3, last=False)}"],
                                                           1: [f"memory: {RESERVE + 1000}"],
-                                                          2: [f"memory: {cap_for(5)}"]})
+                                                          2: [f"memory: {cap_for(5, last=True)}"]})
     cluster.up_output = cluster.cli("up").stderr
     yield cluster
     cluster.cli("down", check=False)

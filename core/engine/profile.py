@@ -34,6 +34,7 @@ from core.engine import child
 from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
 from core.engine.protocol import Token
 from core.errors import ProfileError
+from core.gguf_layout import read_layout, write_cut
 from core.model import ModelFacts
 from core.planner import DEPTHS, PROFILE_CONTEXT, NodeSpeed, depths_for, split_for_counts
 
@@ -149,39 +150,11 @@ def cut_model(source: Path, layers: int, folder: Path) -> Path:
 
 
 def _write_cut(source: Path, layers: int, path: Path) -> None:
-    import gguf
-
-    reader = gguf.GGUFReader(source)
-    arch_field = reader.get_field("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else "llama"
-    block_key = f"{arch}.block_count"
-    block_field = reader.get_field(block_key)
-    total = int(str(block_field.contents())) if block_field is not None else 0
+    layout = read_layout(source)
+    total = int(str(layout.get(f"{layout.get('general.architecture')}.block_count", 0)))
     if not 0 < layers <= total:
         raise ProfileError(f"cannot cut {source.name} to {layers} layers: it has {total}")
-    writer = gguf.GGUFWriter(str(path), arch=arch, endianess=reader.endianess)
-    for field in reader.fields.values():
-        if field.name in ("general.architecture", "general.alignment") or field.name.startswith("GGUF."):
-            continue
-        value_type = field.types[0]
-        value = field.contents()
-        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        if field.name == block_key:
-            value = layers
-        elif sub_type is not None and isinstance(value, list) and len(value) == total:
-            value = value[:layers]  # per-layer arrays (head counts, sliding-window patterns)
-        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
-    kept = [tensor for tensor in reader.tensors
-            if not tensor.name.startswith("blk.") or int(tensor.name.split(".")[1]) < layers]
-    for tensor in kept:
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
-                               tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for tensor in kept:
-        writer.write_tensor_data(tensor.data)
-    writer.close()
+    write_cut(layout, layers, path)
 
 
 def one_hot(n: int, index: int, layers: int) -> tuple[int, ...]:
