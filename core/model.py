@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,20 +38,117 @@ class ModelFacts:
         return self.kv_bytes_per_token_layer * context
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the GGUF header describes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    """A GGUF file's scalar metadata and its tensors' descriptions; arrays (the vocabulary) are passed over."""
+
+    fields: dict[str, object]
+    tensors: tuple[TensorInfo, ...]
+
+
+# GGUF value types (gguf.GGUFValueType) whose values are one fixed-size number, as struct formats.
+_NUMBERS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_GGUF_MAGIC = b"GGUF"
+
+
+class _Cursor:
+    """Reads a GGUF header front to back, in the file's byte order."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.offset = 0
+        self.order = "<"
+
+    def number(self, kind: str) -> Any:
+        value = struct.unpack_from(self.order + kind, self.data, self.offset)[0]
+        self.offset += struct.calcsize(kind)
+        return value
+
+    def text(self) -> str:
+        size = self.number("Q")
+        raw = self.data[self.offset:self.offset + size]
+        if len(raw) != size:
+            raise ValueError("the header is cut short")
+        self.offset += size
+        return raw.decode("utf-8")
+
+    def value(self, kind: int) -> object:
+        """The value of a field of type ``kind``; None for an array, which is skipped, not read."""
+        if kind == _STRING:
+            return self.text()
+        if kind != _ARRAY:
+            return self.number(_NUMBERS[kind])
+        item, count = self.number("I"), self.number("Q")
+        if item in _NUMBERS:
+            self.offset += count * struct.calcsize(_NUMBERS[item])
+        else:  # strings (each says its length) and nested arrays: one at a time
+            for _ in range(count):
+                self.value(item)
+        return None
+
+
+def read_header(path: Path) -> GgufHeader:
+    """The metadata and tensor list of a GGUF file (versions 2 and 3, either byte order).
+
+    gguf's GGUFReader builds an object for every element of every array: for a 262,144-token vocabulary that
+    takes ~10 s, and `up`, `plan` and the controller each read the model. The header is all they need.
+    Raises ValueError for a file that is not a GGUF, or is cut short.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with path.open("rb") as handle:
+        if os.fstat(handle.fileno()).st_size < 24:
+            raise ValueError("too short for a GGUF header")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data)
+            try:
+                if data[:4] != _GGUF_MAGIC:
+                    raise ValueError("no GGUF magic at its start")
+                cursor.offset = 4
+                version = cursor.number("I")
+                if version & 0xFFFF == 0:  # written on a machine of the other byte order
+                    cursor.order = ">"
+                    version = int.from_bytes(data[4:8], "big")
+                if version not in (2, 3):
+                    raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+                n_tensors, n_fields = cursor.number("Q"), cursor.number("Q")
+                fields = {}
+                for _ in range(n_fields):
+                    key = cursor.text()
+                    fields[key] = cursor.value(cursor.number("I"))
+                tensors = []
+                for _ in range(n_tensors):
+                    name = cursor.text()
+                    shape = tuple(cursor.number("Q") for _ in range(cursor.number("I")))
+                    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(cursor.number("I"))]
+                    cursor.number("Q")  # the data's offset
+                    tensors.append(TensorInfo(name, shape, math.prod(shape) * size // block))
+            except (struct.error, KeyError) as exc:
+                raise ValueError(f"the header is cut short or has an unknown type ({exc})") from None
+    return GgufHeader(fields, tuple(tensors))
+
+
 def read_model(path: Path) -> ModelFacts:
     """Read layer count and per-layer sizes from a GGUF file."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
+        header = read_header(path)
     except FileNotFoundError:
         raise InventoryError(f"model: no such file {path}", "fix: point 'model' at a .gguf file") from None
     except (ValueError, OSError) as exc:
         raise InventoryError(f"model: {path} is not a readable GGUF file: {exc}") from None
 
     def field(key: str, default: object = None) -> object:
-        item = reader.get_field(key)
-        return item.contents() if item is not None else default
+        return header.fields.get(key, default)
 
     arch = str(field("general.architecture", "unknown"))
     n_layers = int(str(field(f"{arch}.block_count", 0)))
@@ -58,7 +159,7 @@ def read_model(path: Path) -> ModelFacts:
     head_v = int(str(field(f"{arch}.attention.value_length", head_k)))
     layer_bytes = [0] * n_layers
     output_bytes = input_bytes = 0
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         match = _BLOCK.match(tensor.name)
         if match and int(match.group(1)) < n_layers:
             layer_bytes[int(match.group(1))] += int(tensor.n_bytes)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import InventoryError
-from core.model import demo_model, read_model, write_demo_model
+from core.model import demo_model, read_header, read_model, write_demo_model
 
 
 def test_demo_model_facts(tmp_path: Path) -> None:
@@ -47,3 +47,25 @@ def test_not_a_gguf(tmp_path: Path) -> None:
         read_model(path)
     with pytest.raises(InventoryError, match="no such file"):
         read_model(tmp_path / "missing.gguf")
+
+
+def test_the_header_reader_agrees_with_gguf_and_passes_over_arrays(tmp_path: Path) -> None:
+    from gguf import GGUFReader, GGUFValueType
+
+    path = write_demo_model(tmp_path / "demo.gguf")
+    header, reader = read_header(path), GGUFReader(path)
+    arrays = {name for name, field in reader.fields.items() if field.types[0] == GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.tokens" in arrays
+    assert header.fields == {name: None if name in arrays else field.contents()
+                             for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert [(tensor.name, tensor.shape, tensor.n_bytes) for tensor in header.tensors] == [
+        (tensor.name, tuple(int(size) for size in tensor.shape), int(tensor.n_bytes)) for tensor in reader.tensors]
+
+
+def test_a_gguf_cut_short_is_not_readable(tmp_path: Path) -> None:
+    whole = write_demo_model(tmp_path / "demo.gguf").read_bytes()
+    for size in (3, 30, 4000):  # in the magic, the counts, the vocabulary
+        path = tmp_path / f"cut{size}.gguf"
+        path.write_bytes(whole[:size])
+        with pytest.raises(InventoryError, match="not a readable GGUF"):
+            read_model(path)
