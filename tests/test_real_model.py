@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from core.engine.coordinator import FLASH_ATTENTION
@@ -40,6 +41,8 @@ TOKENS = 16
 WIDE_PROMPT = "𠮷野家 𠮷野家 𠮷野家 𠮷"
 WIDE_TOKENS = 24
 WIDE_CHAR = "\U00020bb7"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_TOKENS = 16
 
 NO_SSHD = pytest.mark.skipif(not Path(SSHD).exists() and not os.environ.get("CI"),
                              reason="OpenSSH sshd is not installed here (.ci/run installs it)")
@@ -77,18 +80,23 @@ def llm(model: Path) -> Iterator[Any]:
     llama.close()
 
 
-_REFERENCES: dict[tuple[str | tuple[int, ...], int], str] = {}
+_REFERENCES: dict[tuple[str | tuple[int, ...], int], dict[str, Any]] = {}
 
 
-def reference(llm: Any, prompt: str | list[int], tokens: int) -> str:
-    """llama-cpp-python's own greedy completion of ``prompt`` (text, or tokens as given), ``tokens`` long."""
+def completion(llm: Any, prompt: str | list[int], tokens: int) -> dict[str, Any]:
+    """llama-cpp-python's own greedy completion of ``prompt`` (text, or tokens as given), at most ``tokens``."""
     key = (prompt if isinstance(prompt, str) else tuple(prompt), tokens)
     if key not in _REFERENCES:
         llm.reset()  # no prefix reused from the last prompt: the prompt is evaluated whole, as the coordinator does
-        out = llm.create_completion(prompt, max_tokens=tokens, temperature=0.0)
-        assert out["usage"]["completion_tokens"] == tokens, out
-        _REFERENCES[key] = out["choices"][0]["text"]
+        _REFERENCES[key] = llm.create_completion(prompt, max_tokens=tokens, temperature=0.0)
     return _REFERENCES[key]
+
+
+def reference(llm: Any, prompt: str | list[int], tokens: int) -> str:
+    """The text of a greedy completion that runs all ``tokens`` long."""
+    out = completion(llm, prompt, tokens)
+    assert out["usage"]["completion_tokens"] == tokens, out
+    return str(out["choices"][0]["text"])
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +189,25 @@ def test_greedy_text_equals_one_process_llama_cpp(cluster: Cluster, llm: Any) ->
     assert result["completion_tokens"] == TOKENS
     assert result["text"] == reference(llm, PROMPT, TOKENS)
     assert result["recoveries"] == []
+
+
+def test_a_chat_is_rendered_in_gemmas_turn_format(cluster: Cluster, llm: Any) -> None:
+    """The GGUF has no chat template; the inventory names llama-cpp-python's built-in `gemma` format."""
+    from llama_cpp.llama_chat_format import format_gemma
+
+    # The prompt as llama-cpp-python's own gemma chat handler tokenizes it.
+    rendered = format_gemma(messages=CHAT)
+    assert rendered.prompt == f"<start_of_turn>user\n{CHAT[0]['content']}<end_of_turn>\n<start_of_turn>model\n"
+    prompt = llm.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True)
+    expected = completion(llm, prompt, CHAT_TOKENS)
+    api = openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
+                        timeout=120)
+    answer = api.chat.completions.create(model="any", messages=CHAT, max_tokens=CHAT_TOKENS, temperature=0)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+    content = answer.choices[0].message.content
+    assert content and content.strip()
+    assert content == expected["choices"][0]["text"]
+    assert answer.usage.completion_tokens == expected["usage"]["completion_tokens"]
 
 
 def whole_text(text: str) -> str:
