@@ -142,7 +142,7 @@ def cluster(request: pytest.FixtureRequest, variant: tuple[str, str], model: Pat
     """A running 2-worker cluster on the real model: local or SSH nodes, `memory` or `compute` placement."""
     transport, strategy = variant
     root = Path(tempfile.mkdtemp(prefix="gcr-", dir="/tmp"))
-    top = [f"model: {model}"]
+    top = [f"model: {model}", "chat_template: gemma"]  # this GGUF has no chat template of its own
     caps = halving_caps(read_model(model)) if strategy == "compute" else None
     extra = {index: [f"memory: {cap}"] for index, cap in enumerate(caps)} if caps else None
     if transport == "ssh":
