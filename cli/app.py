@@ -217,7 +217,8 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Sampling seed (with --temperature > 0).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message, rendered with the "
-                                                      "model's chat template (as /v1/chat/completions does).")] = False,
+                                                      "inventory's chat_template or the model's own (as "
+                                                      "/v1/chat/completions does).")] = False,
     inventory_file: InventoryOption = None,
     debug: DebugOption = False,
 ) -> None:

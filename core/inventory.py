@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
@@ -81,6 +82,12 @@ Backend = Literal["auto", "cpu", "cuda", "rocm", "vulkan", "metal"]
 Strategy = Literal["compute", "memory", "equal"]
 Objective = Literal["latency", "throughput"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
+# llama-cpp-python's built-in chat formats: those that render a prompt (its function-calling handlers generate by
+# themselves and are not formats). tests/test_coordinator.py checks the list against the pinned llama-cpp-python.
+CHAT_FORMATS = ("alpaca", "baichuan", "baichuan-2", "chatglm3", "chatml", "gemma", "intel", "llama-2", "llama-3",
+                "mistral-instruct", "mistrallite", "oasst_llama", "open-orca", "openbuddy", "openchat", "phind",
+                "pygmalion", "qwen", "redpajama-incite", "saiga", "snoozy", "vicuna", "zephyr")
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # chat templates are a few KB; more is the wrong file
 
 
 class _Frozen(BaseModel):
@@ -179,6 +186,9 @@ class Inventory(_Frozen):
     strategy: Strategy = "compute"
     # compute: least time per token (one request at a time) or the least bottleneck (a pipeline).
     objective: Objective = "latency"
+    # How chat messages become a prompt: one of CHAT_FORMATS, or a Jinja template file. Used instead of the GGUF's
+    # tokenizer.chat_template, and where the GGUF has none (a base model; some conversions drop it).
+    chat_template: PathText | None = None
     api: Api = Field(default_factory=Api)
     metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
@@ -191,6 +201,18 @@ class Inventory(_Frozen):
         if self.model is None:
             return None
         return self.resolve(self.model)
+
+    @property
+    def chat_format(self) -> str | None:
+        """The built-in chat format that ``chat_template`` names, if it names one."""
+        return self.chat_template if self.chat_template in CHAT_FORMATS else None
+
+    @property
+    def chat_template_file(self) -> Path | None:
+        """The Jinja template file that ``chat_template`` names (resolved like every path), if not a format."""
+        if self.chat_template is None or self.chat_format is not None:
+            return None
+        return self.resolve(self.chat_template)
 
     @property
     def location(self) -> str:
@@ -287,6 +309,7 @@ def _build(raw: dict[str, Any], source: str, locate: Locator) -> Inventory:
         raise InventoryError(locate.at(("source",), "unknown key 'source'"), "fix: remove it")
     inventory: Inventory = validate(Inventory, top, (), locate)
     _check_local_ports(inventory, locate)
+    _check_chat_template(inventory, locate)
     return inventory
 
 
@@ -326,6 +349,42 @@ def _check_local_ports(inventory: Inventory, locate: Locator) -> None:
                     locate.at(("nodes", index, "rpc_port"),
                               f"port {node.rpc_port} clashes with {section}.{field} on this machine"),
                     f"fix: use another rpc_port or {section}.{field}")
+
+
+def _check_chat_template(inventory: Inventory, locate: Locator) -> None:
+    """A ``chat_template`` that is not a built-in format must be a Jinja template file that reads and parses."""
+    path = inventory.chat_template_file
+    if path is None:
+        return
+    value = inventory.chat_template
+    at = ("chat_template",)
+    try:
+        size = path.stat().st_size if path.is_file() else None
+    except OSError as exc:  # a path too long, a folder without permission
+        raise InventoryError(locate.at(at, f"cannot read {path}: {exc.strerror or exc}")) from None
+    if size is None:
+        close = difflib.get_close_matches(str(value), CHAT_FORMATS, n=1)
+        hint = f"did you mean '{close[0]}'? Otherwise name" if close else "name"
+        raise InventoryError(locate.at(at, f"{SHORT.repr(value)} is neither a built-in chat format nor a file"),
+                             f"fix: {hint} one of llama-cpp-python's chat formats ({', '.join(CHAT_FORMATS)}), "
+                             "or the path of a Jinja template file")
+    if size > MAX_CHAT_TEMPLATE_BYTES:
+        raise InventoryError(locate.at(at, f"{path} has {size} bytes: not a chat template"),
+                             "fix: point it at a Jinja chat template (a few KB)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise InventoryError(locate.at(at, f"cannot read {path}: {reason}")) from None
+    import jinja2
+
+    try:
+        # With loop controls, as llama-cpp-python's Jinja2ChatFormatter renders it (its pass-through for Hugging
+        # Face's training-only {% generation %} tag aside).
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InventoryError(locate.at(at, f"{path} line {exc.lineno} is not a Jinja template: {exc.message}"),
+                             "fix: correct the template, or name a built-in chat format such as chatml") from None
 
 
 def direct_warnings(inventory: Inventory) -> list[str]:

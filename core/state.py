@@ -263,5 +263,5 @@ class Launch:
 def read_launch(state: StateDir) -> tuple[Inventory, Launch]:
     """The inventory and launch settings `up` wrote into the state dir."""
     data = json.loads(state.launch.read_text())
-    inventory = parse_inventory(state.inventory.read_text(), str(state.inventory))
-    return inventory.model_copy(update={"source": data["source"]}), Launch.from_dict(data)
+    # Read as from its own file: relative paths in it (chat_template, checked as it is read) resolve from there.
+    return parse_inventory(state.inventory.read_text(), data["source"]), Launch.from_dict(data)

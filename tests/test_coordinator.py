@@ -1,16 +1,27 @@
-"""The coordinator's request loop against a stand-in for llama-cpp-python: timing, progress and cancels."""
+"""The coordinator's request loop against a stand-in for llama-cpp-python (timing, progress and cancels), and how
+it renders chats, on a real llama-cpp-python vocabulary."""
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import io
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from core.engine.coordinator import Generator, RequestIds
+from core.engine.coordinator import (
+    NO_CHAT_TEMPLATE,
+    CoordinatorConfig,
+    Generator,
+    RequestIds,
+    chat_format,
+    load_chat,
+)
 from core.engine.protocol import (
     Answer,
     Cancel,
@@ -27,6 +38,8 @@ from core.engine.protocol import (
     decode_request,
     encode,
 )
+from core.inventory import CHAT_FORMATS
+from core.model import DEMO_CHAT_TEMPLATE, write_demo_model
 
 
 class FakeLlama:
@@ -147,3 +160,65 @@ def test_a_cancel_reaches_only_a_request_that_is_queued_or_running() -> None:
     ids.cancel(1)  # done: dropped, so it can never reach a later request
     ids.opened(2)
     assert not ids.cancelled(1) and not ids.cancelled(2)
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the cluster?"}]
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The demo model's vocabulary in llama-cpp-python (no weights): what a chat is tokenized with."""
+    import llama_cpp
+
+    path = write_demo_model(tmp_path_factory.mktemp("demo") / "demo.gguf")
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    yield llm
+    llm.close()
+
+
+def chat_tokens(llm: Any, **config: Any) -> list[int]:
+    """A chat as the coordinator tokenizes it, with the inventory's chat settings ``config``."""
+    import llama_cpp
+
+    chat = load_chat(llm, CoordinatorConfig(model="m.gguf", endpoints=(), tensor_split=(), context=512, **config))
+    return Generator(llm, llama_cpp, chat).prompt_tokens(Generate(1, 8, messages=CHAT))
+
+
+def test_the_inventorys_chat_formats_are_llama_cpp_pythons() -> None:
+    from llama_cpp import llama_chat_format
+
+    handlers = llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers
+    formats = {name for name, handler in handlers.items()
+               if "chat_formatter" in inspect.getclosurevars(handler).nonlocals}
+    assert sorted(formats) == sorted(CHAT_FORMATS)
+    assert all(callable(chat_format(name)) for name in CHAT_FORMATS)
+    with pytest.raises(ValueError, match="not a prompt format"):
+        chat_format("functionary")
+
+
+def test_a_chat_format_renders_as_llama_cpp_pythons_own_handler_does(vocab: Any) -> None:
+    from llama_cpp.llama_chat_format import format_chatml
+
+    rendered = format_chatml(messages=CHAT)
+    assert rendered.prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    expected = vocab.tokenize(rendered.prompt.encode(), add_bos=not rendered.added_special, special=True)
+    assert chat_tokens(vocab, chat_format="chatml") == expected
+
+
+def test_a_template_file_is_used_instead_of_the_ggufs(vocab: Any, tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    tokens = chat_tokens(vocab, chat_template_file=str(template))
+    # The template writes the BOS token itself: the tokenizer adds no second one.
+    assert tokens == vocab.tokenize(b"<s>[system] Be brief.\n[user] Where is the cluster?\n", add_bos=False,
+                                    special=True)
+    assert tokens.count(vocab.token_bos()) == 1
+    assert vocab.metadata["tokenizer.chat_template"] == DEMO_CHAT_TEMPLATE
+    assert chat_tokens(vocab) == vocab.tokenize(b"system: Be brief.\nuser: Where is the cluster?\nassistant:",
+                                                add_bos=True, special=True)
+
+
+def test_a_chat_without_any_template_is_refused_with_the_fix() -> None:
+    events = run(generator(FakeLlama()), messages=CHAT)
+    assert events == [Failed(f"cannot render the chat: {NO_CHAT_TEMPLATE}", 7)]
+    assert "chat_template" in NO_CHAT_TEMPLATE

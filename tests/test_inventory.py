@@ -60,6 +60,9 @@ BAD = {
                                 "bad.yaml:2: metrics.port: port 8080 is also api.port"),
     "metrics port out of range": ("cluster: a\nmetrics: {port: -1}\nnodes:\n  - name: x\n    kind: local\n",
                                   "metrics.port: -1: input should be greater than or equal to 0"),
+    "misspelt chat format": ("cluster: a\nchat_template: gema\nnodes:\n  - name: x\n    kind: local\n",
+                             "bad.yaml:2: chat_template: 'gema' is neither a built-in chat format nor a file "
+                             "(fix: did you mean 'gemma'? Otherwise name one of llama-cpp-python's chat formats"),
 }
 
 
@@ -108,6 +111,44 @@ def test_paths_resolve_against_the_inventory_folder(tmp_path: Path) -> None:
     assert load_inventory(path).model_path == tmp_path / "models" / "m.gguf"
     path.write_text(LOCAL + "model: ~/m.gguf\n")
     assert load_inventory(path).model_path == Path.home() / "m.gguf"
+
+
+def test_chat_template_names_a_built_in_format_or_a_jinja_file(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text(LOCAL + "chat_template: gemma\n")
+    inventory = load_inventory(path)
+    assert (inventory.chat_format, inventory.chat_template_file) == ("gemma", None)
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "chat.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    path.write_text(LOCAL + "chat_template: templates/chat.jinja\n")
+    inventory = load_inventory(path)
+    assert (inventory.chat_format, inventory.chat_template_file) == (None, tmp_path / "templates" / "chat.jinja")
+    path.write_text(LOCAL)
+    assert (load_inventory(path).chat_format, load_inventory(path).chat_template_file) == (None, None)
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("{% for m in messages %}{{ m.content }}", "line 1 is not a Jinja template: Unexpected end of template"),
+    (b"\xff\xfe{{ messages }}", "cannot read"),
+    (b"{#" + b"x" * (1 << 20) + b"#}", "bytes: not a chat template"),
+    (None, "is neither a built-in chat format nor a file"),  # a folder
+])
+def test_a_chat_template_file_that_cannot_be_used_is_one_located_line(tmp_path: Path, content: str | bytes | None,
+                                                                       expected: str) -> None:
+    template = tmp_path / "chat.jinja"
+    if content is None:
+        template.mkdir()
+    elif isinstance(content, bytes):
+        template.write_bytes(content)
+    else:
+        template.write_text(content)
+    path = tmp_path / "inv.yaml"
+    path.write_text(LOCAL + "chat_template: chat.jinja\n")
+    with pytest.raises(InventoryError) as caught:
+        load_inventory(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}:5: chat_template: ") and expected in message
+    assert "\n" not in message
 
 
 def test_example_inventory_is_valid_and_heterogeneous() -> None:

@@ -104,3 +104,12 @@ def test_synthetic_compute_buffers_match_llama_cpp(tmp_path: Path) -> None:
     assert facts.compute_bytes(1024, last=False) / MIB == pytest.approx(7.85, rel=0.02)
     assert facts.compute_bytes(4096, last=False) / MIB == pytest.approx(19.85, rel=0.02)
     assert not facts.tied_output and facts.n_vocab == 689
+
+
+def test_a_gguf_cut_short_is_not_readable(tmp_path: Path) -> None:
+    whole = write_demo_model(tmp_path / "demo.gguf").read_bytes()
+    for size in (3, 30, 4000):  # in the magic, the counts, the vocabulary
+        path = tmp_path / f"cut{size}.gguf"
+        path.write_bytes(whole[:size])
+        with pytest.raises(InventoryError, match="not a readable GGUF"):
+            read_model(path)

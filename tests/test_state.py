@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
 import pytest
 
 from core.errors import ClusterError
-from core.state import StateDir
+from core.inventory import load_inventory
+from core.state import StateDir, read_launch
 
 
 def mode(path: Path) -> int:
@@ -35,3 +37,19 @@ def test_a_state_dir_that_cannot_be_made_is_one_line_naming_it(tmp_path: Path) -
     (tmp_path / "a file").write_text("")
     with pytest.raises(ClusterError, match=r"cannot create the state dir .*a file/state: .*GGML_CLUSTER_STATE_DIR"):
         StateDir(tmp_path / "a file" / "state").create()
+
+
+def test_the_controller_resolves_the_inventorys_paths_from_the_inventorys_folder(tmp_path: Path) -> None:
+    """It reads the copy `up` wrote into the state dir; a relative chat_template is still the user's file."""
+    (tmp_path / "inv").mkdir()
+    (tmp_path / "inv" / "chat.jinja").write_text("{{ messages }}")
+    path = tmp_path / "inv" / "inventory.yaml"
+    path.write_text("cluster: lab\nchat_template: chat.jinja\nnodes:\n  - {name: a, kind: local}\n")
+    inventory = load_inventory(path)
+    state = StateDir(tmp_path / "state")
+    state.create()
+    state.inventory.write_text(json.dumps(inventory.model_dump(mode="json", exclude={"source"})))
+    state.launch.write_text(json.dumps({"binary": "w", "model": "m.gguf", "protocol": [7, 0, 0],
+                                        "source": inventory.location}))
+    read, _ = read_launch(state)
+    assert read.chat_template_file == tmp_path / "inv" / "chat.jinja" == inventory.chat_template_file

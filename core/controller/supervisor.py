@@ -203,8 +203,11 @@ class CoordinatorSupervisor:
             if endpoint is None:
                 raise WorkerError(f"node {name} has no endpoint")
             endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
+        template_file = self.inventory.chat_template_file
         config = CoordinatorConfig(model=str(self.model.path), endpoints=tuple(endpoints),
-                                   tensor_split=plan.used_split, context=self.inventory.context)
+                                   tensor_split=plan.used_split, context=self.inventory.context,
+                                   chat_format=self.inventory.chat_format,
+                                   chat_template_file=str(template_file) if template_file else None)
         self.log.record("plan", self.placement.describe())
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:

@@ -5,7 +5,8 @@ and only this process dies with it. It speaks core.engine.protocol on stdin and 
 once loaded, then per `Generate` its prompt tokens, progress while the prompt (and a replay) is evaluated, a
 token at a time, and `Done`. `Cancel` reaches only the request it names, and only while that request is
 queued or running: a cancel for a request already done can never reach a later one. ``messages`` (OpenAI chat
-messages) are rendered with the GGUF's chat template.
+messages) are rendered with the inventory's chat_template (a llama-cpp-python chat format, or a Jinja file), else
+with the GGUF's own template.
 
 A `Generate` with ``replay`` holds tokens generated before a restart: the prompt is evaluated in the same
 batches as the first time and each replayed token one at a time, exactly as first decoded, so the KV cache and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import ctypes
+import inspect
 import json
 import queue
 import sys
@@ -63,12 +65,15 @@ class CoordinatorConfig:
     tensor_split: tuple[float, ...]
     context: int
     threads: int = 1
+    chat_format: str | None = None         # a llama-cpp-python chat format by name, instead of the GGUF's template
+    chat_template_file: str | None = None  # a Jinja chat template file, instead of the GGUF's template
 
     def to_json(self) -> str:
         """Serialise for the child's command line."""
         return json.dumps({"model": self.model, "endpoints": list(self.endpoints),
                            "tensor_split": list(self.tensor_split), "context": self.context,
-                           "threads": self.threads})
+                           "threads": self.threads, "chat_format": self.chat_format,
+                           "chat_template_file": self.chat_template_file})
 
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
@@ -76,7 +81,65 @@ class CoordinatorConfig:
         data = json.loads(text)
         return cls(model=data["model"], endpoints=tuple(data["endpoints"]),
                    tensor_split=tuple(data["tensor_split"]), context=int(data["context"]),
-                   threads=int(data.get("threads", 1)))
+                   threads=int(data.get("threads", 1)), chat_format=data.get("chat_format"),
+                   chat_template_file=data.get("chat_template_file"))
+
+
+NO_CHAT_TEMPLATE = ("the model has no chat template (no tokenizer.chat_template in its GGUF, and no chat_template in "
+                    "the inventory); set chat_template to a chat format such as chatml or gemma, or to a Jinja "
+                    "file, or send a plain prompt (/v1/completions) instead")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """How chat messages become prompt text: a llama-cpp-python chat formatter, and the BOS token's text."""
+
+    formatter: Any  # llama_cpp.llama_chat_format.ChatFormatter: messages= → a response with .prompt
+    bos: str
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for ``messages``."""
+        return str(self.formatter(messages=messages).prompt)
+
+
+def chat_format(name: str) -> Any:
+    """llama-cpp-python's built-in chat format ``name`` (one of core.inventory.CHAT_FORMATS) as a formatter.
+
+    llama-cpp-python registers a format only as a completion handler, which generates by itself; the coordinator
+    needs the prompt alone, so it takes the formatter that the handler closes over.
+    """
+    from llama_cpp import llama_chat_format
+
+    handler: Any = llama_chat_format.get_chat_completion_handler(name)
+    closed_over = inspect.getclosurevars(handler).nonlocals
+    if "chat_formatter" not in closed_over:
+        raise ValueError(f"chat_template: llama-cpp-python's {name!r} is a chat handler, not a prompt format")
+    return closed_over["chat_formatter"]
+
+
+def load_chat(llm: Any, config: CoordinatorConfig) -> Chat | None:
+    """The chat formatter for a loaded model: the inventory's chat format or template file, else the GGUF's
+    tokenizer.chat_template, else None (chats are refused)."""
+    model = llm._model  # the token texts a template writes, as llama-cpp-python's own handler takes them
+    bos, eos = llm.token_bos(), llm.token_eos()
+    bos_text = model.token_get_text(bos) if bos != -1 else ""
+    if config.chat_format:
+        return Chat(chat_format(config.chat_format), bos_text)
+    if config.chat_template_file:
+        template = Path(config.chat_template_file).read_text(encoding="utf-8")
+    else:
+        template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        return None
+    import jinja2
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    try:
+        formatter = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos != -1 else "", bos_text)
+    except jinja2.TemplateError as exc:
+        where = config.chat_template_file or "the GGUF's tokenizer.chat_template"
+        raise ValueError(f"the chat template ({where}) does not compile: {exc}") from None
+    return Chat(formatter, bos_text)
 
 
 def register_rpc_servers(endpoints: tuple[str, ...]) -> None:
@@ -127,9 +190,9 @@ def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generato
 class Generator:
     """Runs one request at a time on a loaded model."""
 
-    def __init__(self, llm: Any, lib: Any, chat: Any = None) -> None:
-        """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: a formatter for
-        the model's chat template, or None."""
+    def __init__(self, llm: Any, lib: Any, chat: Chat | None = None) -> None:
+        """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: how chats become
+        prompts, or None (chats are refused)."""
         self.requests = RequestIds()
         self.llm = llm
         self._lib = lib
@@ -146,16 +209,7 @@ class Generator:
             model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
             n_ctx=config.context, n_threads=config.threads, n_threads_batch=config.threads,
             flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
-        template = llm.metadata.get("tokenizer.chat_template")
-        chat: Any = None
-        if template:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            model = llm._model  # the token texts the template writes, as llama-cpp-python's own handler does
-            bos, eos = llm.token_bos(), llm.token_eos()
-            chat = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos != -1 else "",
-                                       model.token_get_text(bos) if bos != -1 else "")
-        return cls(llm, llama_cpp, chat)
+        return cls(llm, llama_cpp, load_chat(llm, config))
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -163,10 +217,8 @@ class Generator:
             return list(request.prompt_tokens)
         if request.messages is not None:
             if self.chat is None:
-                raise ValueError("the model has no chat template (tokenizer.chat_template in its GGUF); "
-                                 "send a plain prompt (/v1/completions) instead")
-            text = self.chat(messages=request.messages).prompt
-            bos = self.chat.bos_token
+                raise ValueError(NO_CHAT_TEMPLATE)
+            text, bos = self.chat.render(request.messages), self.chat.bos
             # A template that writes the BOS text itself must not get a second one from the tokenizer.
             return list(self.llm.tokenize(text.encode(), add_bos=not (bos and text.startswith(bos)), special=True))
         return list(self.llm.tokenize((request.prompt or "").encode(), add_bos=True, special=False))
