@@ -64,8 +64,9 @@ class ModelFacts:
         """What the last device sends the coordinator per token: one f32 logit per vocabulary entry."""
         return self.n_vocab * 4
 
-    def compute_bytes(self, context: int, *, last: bool) -> int:
-        """The compute buffer llama.cpp reserves on a device that holds layers, for the largest micro-batch.
+    def compute_bytes(self, context: int, *, last: bool, batch: int = BATCH) -> int:
+        """The compute buffer llama.cpp reserves on a device that holds layers, for its largest micro-batch
+        (``batch`` tokens, at most the context).
 
         Activations: 4·n_ff + 4.3·n_embd floats per token of the micro-batch, and 8 bytes per (token, KV cell) of
         attention masks, one per KV cache (two with sliding-window layers); calibrated against llama.cpp's
@@ -73,7 +74,7 @@ class ModelFacts:
         token of the micro-batch (llama.cpp reserves for the case that all are wanted): with a large vocabulary
         this is the biggest buffer of all (262,144 tokens: 512 MiB).
         """
-        batch = min(context, BATCH)
+        batch = min(context, batch)
         caches = 2 if self.sliding_window else 1
         size = int(batch * 4 * (4 * self.n_ff + 4.3 * self.n_embd)) + batch * 8 * context * caches
         return size + (batch * self.logits_bytes if last else 0)

@@ -13,7 +13,7 @@ import numpy as np
 
 from core.errors import PlanError
 from core.inventory import Inventory, Objective, Strategy
-from core.model import ModelFacts
+from core.model import BATCH, ModelFacts
 from core.status import ClusterStatus, NodeStatus
 
 # Head-room kept free on each node: compute buffers and the allocator's own needs.
@@ -149,7 +149,8 @@ def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndar
     )
 
 
-def device_bytes(model: ModelFacts, layers: tuple[int, int] | None, context: int, *, output: bool) -> int:
+def device_bytes(model: ModelFacts, layers: tuple[int, int] | None, context: int, *, output: bool,
+                 batch: int = BATCH) -> int:
     """What llama.cpp allocates on a device that holds ``layers`` (inclusive) and, with ``output``, the output layer:
     weights, KV cache, and the compute buffer (with the logits when it holds the output layer)."""
     if layers is None and not output:
@@ -160,7 +161,7 @@ def device_bytes(model: ModelFacts, layers: tuple[int, int] | None, context: int
         size += sum(model.layer_kv_bytes(layer, context) for layer in range(layers[0], layers[1] + 1))
     if output:
         size += model.output_bytes
-    return size + model.compute_bytes(context, last=output)
+    return size + model.compute_bytes(context, last=output, batch=batch)
 
 
 def mib(size: int) -> str:
@@ -318,8 +319,9 @@ def choose(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], cont
 
 # --- what the profiler measures ------------------------------------------------------------------------
 
-DEPTHS = (1, 4)        # layers on the node in the two layouts the profiler times side by side
+DEPTHS = (1, 2)        # layers on the node in the two layouts the profiler times side by side
 PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
+PROFILE_BATCH = 8      # the profiler decodes one token at a time: no room for a prompt's logits
 
 
 def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
@@ -328,7 +330,7 @@ def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
     A one-layer model, or a node that holds only one layer, can only be timed at one depth.
     """
     def need(depth: int) -> int:
-        return device_bytes(model, (0, depth - 1), PROFILE_CONTEXT, output=True)
+        return device_bytes(model, (0, depth - 1), PROFILE_CONTEXT, output=True, batch=PROFILE_BATCH)
 
     low = min(DEPTHS[0], model.n_layers)
     if need(low) > usable:
@@ -399,10 +401,22 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
                    context=inventory.context)
+        layers = plan.layers[index]
+        if layers is not None and layers[1] == model.n_layers - 1:
+            why += "; " + output_note(model, inventory.context, speed)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
                             capacities[index].usable, why, predicted))
     return plan, rows
+
+
+def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None) -> str:
+    """What the output layer costs the node that holds it: its weights, its logits buffer, its time per token."""
+    matrix = "the tied token embeddings" if model.tied_output else "output.weight"
+    logits = model.compute_bytes(context, last=True) - model.compute_bytes(context, last=False)
+    timed = f", {speed.output_s * 1000:.2f} ms/token" if speed is not None and math.isfinite(speed.output_s) else ""
+    return (f"holds the output layer ({matrix}): {mib(model.output_bytes)} and a {mib(logits)} logits buffer"
+            f"{timed}, and sends {model.logits_bytes / 1024:.0f} KiB of logits per token")
 
 
 def _why(plan: Plan, index: int, *, capacity: NodeCapacity, speed: NodeSpeed | None, model: ModelFacts,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from core.errors import PlanError
 from core.inventory import parse_inventory
 from core.model import ModelFacts
-from core.planner import plan_rows
+from core.planner import device_bytes, plan_rows
 from core.status import ClusterStatus, CoordinatorStatus, NodeState, NodeStatus
 
 GIB = 1 << 30
@@ -50,11 +51,11 @@ def test_equal_plan_splits_evenly_and_checks_memory() -> None:
     assert rows[0].why == "5 of 8 layers: an equal share (50.0%)"
 
 
-def measured(snapshot: ClusterStatus, speeds: dict[str, tuple[float, float]]) -> ClusterStatus:
+def measured(snapshot: ClusterStatus, speeds: dict[str, tuple[float, float]], output_ms: float = 0.0) -> ClusterStatus:
     for node in snapshot.nodes:
         if node.name in speeds:
             node.fixed_ms, node.layer_ms = speeds[node.name]
-            node.output_ms = 0.0
+            node.output_ms = output_ms
     snapshot.overhead_ms = 0.5
     return snapshot
 
@@ -71,7 +72,9 @@ def test_compute_plan_explains_every_node() -> None:
     plan, rows = plan_rows(measured(three, {"big": (1.0, 2.0), "far": (20.0, 2.0)}), inventory, MODEL, "compute")
     big, tiny, _, far = rows
     assert (big.layers, tiny.layers, far.layers) == ((0, 7), None, None)
-    assert big.why == "8 of 8 layers: fastest placement (1.00 ms fixed + 2.00 ms/layer)"
+    assert big.why == ("8 of 8 layers: fastest placement (1.00 ms fixed + 2.00 ms/layer); holds the output layer "
+                       "(output.weight): 5.0 MiB and a 0.0 MiB logits buffer, 0.00 ms/token, and sends 0 KiB of logits "
+                       "per token")
     assert tiny.why.startswith("no layers: cannot hold one layer")
     assert far.why == "no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer)"
     assert big.predicted_ms == pytest.approx(17.0)
@@ -96,3 +99,16 @@ def test_compute_plan_needs_measured_nodes() -> None:
 def test_memory_plan_shows_predictions_once_measured() -> None:
     _, rows = plan_rows(measured(snapshot(), {"big": (1.0, 2.0)}), INVENTORY, MODEL, "memory")
     assert rows[0].predicted_ms == pytest.approx(17.0) and rows[1].predicted_ms is None
+
+
+def test_the_node_with_the_last_layer_is_shown_the_output_layers_cost() -> None:
+    """A tied, large-vocabulary model: the output matrix is the token embeddings, duplicated on the last node."""
+    tied = replace(MODEL, n_vocab=262144, output_bytes=170 << 20, tied_output=True, n_embd=640, n_ff=2048)
+    _, rows = plan_rows(measured(snapshot(), {"big": (1.0, 1.0), "tiny": (1.0, 5.0)}, output_ms=7.5), INVENTORY,
+                        tied, "compute")
+    big = rows[0]
+    assert big.layers == (0, 7)
+    assert big.why.endswith("; holds the output layer (the tied token embeddings): 170.0 MiB and a 512.0 MiB logits "
+                            "buffer, 7.50 ms/token, and sends 1024 KiB of logits per token")
+    assert big.needs == device_bytes(tied, (0, 7), INVENTORY.context, output=True)
+    assert big.needs > 8 * (10 << 20) + (170 << 20) + (512 << 20)

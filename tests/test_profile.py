@@ -61,26 +61,29 @@ def test_cut_model_loads_in_llama_cpp(tmp_path: Path) -> None:
         llm.close()
 
 
-def test_fit_node_separates_fixed_cost_from_layers() -> None:
+def test_fit_node_separates_fixed_cost_layers_and_output() -> None:
     model = facts()
-    # 2 ms fixed, 1.5 ms per 10 MiB layer: 3.5 ms with one layer, 6.5 ms with three.
-    profile = fit_node(model, (0.0035, 0.0065), (1, 3), 40)
+    # 2 ms fixed, 1.5 ms per 10 MiB layer: 3.5 ms with one layer, 6.5 ms with three, without logits; the output
+    # layer adds 4 ms to each whole token.
+    profile = fit_node(model, (0.0075, 0.0105), (0.0035, 0.0065), (1, 3), 40)
     assert profile.fixed_s == pytest.approx(0.002)
     assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.0015)
+    assert profile.output_s == pytest.approx(0.004)
 
 
 def test_fit_node_with_one_depth_charges_everything_to_the_layers() -> None:
-    profile = fit_node(facts(n_layers=1), (0.004, 0.004), (1, 1), 40)
+    profile = fit_node(facts(n_layers=1), (0.005, 0.005), (0.004, 0.004), (1, 1), 40)
     assert profile.fixed_s == 0.0
     assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.004)
+    assert profile.output_s == pytest.approx(0.001)
 
 
 def test_overhead_is_what_two_nodes_alone_count_twice() -> None:
     model = facts()
-    # Each node alone: 1 ms coordinator + 1 ms own fixed + its output layer, and 1 ms per layer.
+    # Each node alone: 1 ms coordinator + 1 ms own fixed, 1 ms per layer, and its output layer.
     per_byte = 0.001 / (10 * MIB)
-    output = per_byte * model.output_bytes
-    alone = NodeProfile(fixed_s=0.002 + output, seconds_per_byte=per_byte, measured_at=0, samples=1)
+    output = 0.003
+    alone = NodeProfile(fixed_s=0.002, seconds_per_byte=per_byte, measured_at=0, samples=1, output_s=output)
     # Together (one layer each): coordinator once, both fixed costs, both layers, one output.
     pair = 0.001 + 0.002 + 0.002 + output
     assert fit_overhead(model, alone, alone, pair, 1) == pytest.approx(0.001)
@@ -92,16 +95,16 @@ def test_overhead_is_what_two_nodes_alone_count_twice() -> None:
 
 def test_depths_fit_the_node() -> None:
     model = facts()
-    # One 10 MiB layer + the 2 MiB output, and four more layers + output, loaded at the same time.
-    assert depths_for(model, 100 * MIB) == (1, 4)
+    # One 10 MiB layer + the 2 MiB output, and two layers + output, loaded at the same time (with their
+    # compute buffers, here of 8 tokens).
     assert depths_for(model, 40 * MIB) == (1, 2)
-    assert depths_for(model, 20 * MIB) == (1, 1)  # one depth: no slope, charged to the layers
-    assert depths_for(model, 11 * MIB) is None  # one layer and the output do not fit
+    assert depths_for(model, 30 * MIB) == (1, 1)  # one depth: no slope, charged to the layers
+    assert depths_for(model, 12 * MIB) is None  # one layer and the output do not fit
 
 
 def test_a_node_that_cannot_hold_a_layer_is_never_chosen() -> None:
     model = facts()
-    fast = fit_node(model, (0.002, 0.004), (1, 3), 1)
+    fast = fit_node(model, (0.003, 0.005), (0.002, 0.004), (1, 3), 1)
     speeds = [node_speed(model, None, 0.0), node_speed(model, fast, 0.0)]
     assert math.isinf(speeds[0].fixed_s)
     plan = plan_compute(model, [NodeCapacity("tiny", 1 << 30), NodeCapacity("big", 1 << 30)], speeds, 64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 
 from core.engine.coordinator import FLASH_ATTENTION
 from core.model import ModelFacts, read_model
-from core.planner import RESERVE_MIN_BYTES, NodeCapacity
+from core.planner import RESERVE_FRACTION, RESERVE_MIN_BYTES, NodeCapacity, depths_for, device_bytes
 from tests.harness import CLI, Cluster
 from tests.realmodel import real_model
 from tests.sshd import SSHD, SshWorld
@@ -115,19 +116,22 @@ VARIANTS = [pytest.param(("local", "memory"), id="local-memory"),
 
 
 def halving_caps(facts: ModelFacts) -> list[int]:
-    """`memory:` caps that let the planner place the model only as its first half on the first node and the
-    second half (with the output layer) on the second: a model too big for either, as on a real cluster.
+    """`memory:` caps under which no node holds the whole model and the second holds at most its second half (with
+    the output layer): a model too big for either, as on a real cluster, so every plan uses both.
 
     Identical workers with room to spare would get every layer on one of them under the `compute` strategy (the
-    fastest plan). The caps come from the planner's own view of the model: each half's weights and KV cache, and
-    the output layer as it charges it to the last node, plus its reserve and less than one more layer.
+    fastest plan). The caps come from the planner's own view of the model (weights, KV cache, compute buffers,
+    the output layer and its logits on the last node) plus its reserve; the first node can still be measured.
     """
-    per_layer = [size + facts.kv_bytes(CONTEXT) for size in facts.layer_bytes]
-    half = facts.n_layers // 2
-    slack = min(per_layer) // 2
-    needs = [sum(per_layer[:half]), sum(per_layer[half:]) + facts.output_bytes]
-    caps = [need + RESERVE_MIN_BYTES + slack for need in needs]
-    assert [NodeCapacity("n", 1 << 40, cap).usable for cap in caps] == [need + slack for need in needs]
+    half, slack = facts.n_layers // 2, min(facts.layer_bytes) // 2
+    whole = device_bytes(facts, (0, facts.n_layers - 1), CONTEXT, output=True)
+    second = device_bytes(facts, (half, facts.n_layers - 1), CONTEXT, output=True)
+    usable = [whole - 2 * slack, second + slack]
+    # The planner keeps max(64 MiB, 10%) of a node free: the cap that leaves exactly this much usable.
+    caps = [max(size + RESERVE_MIN_BYTES, math.ceil(size / (1 - RESERVE_FRACTION))) for size in usable]
+    assert [NodeCapacity("n", 1 << 40, cap).usable - size for cap, size in zip(caps, usable, strict=True)] in (
+        [0, 0], [1, 0], [0, 1], [1, 1])
+    assert depths_for(facts, usable[0]) is not None  # the first node can be profiled
     return caps
 
 
@@ -180,8 +184,10 @@ def test_the_plan_puts_layers_on_both_workers(cluster: Cluster, variant: tuple[s
     assert [node["layers"] for node in plan["nodes"]] == layers
     if strategy == "memory":  # llama.cpp's shares of two equal memories: 10 of the 18 layers, then 8
         assert layers == [[0, 9], [10, N_LAYERS - 1]]
-    else:  # the only placement the caps leave
-        assert layers == [[0, N_LAYERS // 2 - 1], [N_LAYERS // 2, N_LAYERS - 1]]
+    else:  # the caps leave only placements over both, the second with at most half of the layers
+        first, second = layers
+        assert first[0] == 0 and second[0] == first[1] + 1 and second[1] == N_LAYERS - 1, layers
+        assert second[1] - second[0] + 1 <= N_LAYERS // 2, layers
 
 
 def test_greedy_text_equals_one_process_llama_cpp(cluster: Cluster, llm: Any) -> None:

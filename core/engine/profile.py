@@ -1,12 +1,13 @@
 """Node profiles: what a token costs on each node for this model, measured through its real worker.
 
-A node is measured by short timed runs: two copies of the model cut to its first 1 and 4 layers (the same
-tensors, types and vocabulary) are loaded with every layer on that node alone, and their decode steps are
-timed in turn, side by side, so that drift of the machine cancels out of the difference. The slope is the
-node's time per byte of layer weights; the intercept is its fixed cost per token (round trips, dispatch),
-which also holds the output layer and the coordinator's own work per token.
-One extra run with two nodes separates the coordinator's share, so that a plan over several nodes
-counts it once. Results are cached per (node, model, build) and re-measured on request.
+A node is measured by short timed runs: two copies of the model cut to its first 1 and 2 layers (the same
+tensors, types and vocabulary: a layer's worth of the model's own bytes, and its output layer) are loaded with
+every layer on that node alone, and their decode steps are timed in turn, side by side, so that drift of the
+machine cancels out of the difference. The slope is the node's time per byte of layer weights; the intercept is
+its fixed cost per token (round trips, dispatch), which also holds the output layer, the logits it sends and
+the coordinator's own work per token. One extra run with two nodes separates the coordinator's share, so that a
+plan over several nodes counts it once. All nodes load at once; their timed steps run one node at a time.
+Results are cached per (node, model, build) and re-measured on request.
 
 The timed runs happen in a child process (``python -m core.engine.profile``) for the same reason the
 coordinator is one: llama.cpp aborts when a worker goes away.
@@ -36,7 +37,7 @@ from core.engine.protocol import Token
 from core.errors import ProfileError
 from core.gguf_layout import read_layout, write_cut
 from core.model import ModelFacts
-from core.planner import DEPTHS, PROFILE_CONTEXT, NodeSpeed, depths_for, split_for_counts
+from core.planner import DEPTHS, PROFILE_BATCH, PROFILE_CONTEXT, NodeSpeed, depths_for, split_for_counts
 
 WARMUP_TOKENS = 4      # first decode steps allocate and warm caches
 TIMED_TOKENS = 64
@@ -47,10 +48,11 @@ JOB_TIMEOUT_S = 120.0  # one load and its timed steps; a big model over a slow l
 class NodeProfile:
     """One node's measured cost for one model and build."""
 
-    fixed_s: float           # seconds per token with layers on this node alone, less the layers' own time
+    fixed_s: float           # seconds per token with layers on this node alone, less the layers' and the output's
     seconds_per_byte: float  # of layer weights
     measured_at: float
     samples: int             # timed tokens behind each depth
+    output_s: float = 0.0    # the output layer, the logits it sends and their sampling, per token
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the cache and `status --json`."""
@@ -79,9 +81,13 @@ def model_fingerprint(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+PROFILE_VERSION = 2  # 2: the output layer timed on its own; older cached profiles are measured again
+
+
 def profile_key(node_identity: Sequence[object], model_id: str) -> str:
-    """Cache key of one node's profile: where it is, how its worker runs, which model."""
-    return hashlib.sha256(json.dumps([list(map(str, node_identity)), model_id]).encode()).hexdigest()[:24]
+    """Cache key of one node's profile: where it is, how its worker runs, which model, how it was measured."""
+    key = [list(map(str, node_identity)), model_id, PROFILE_VERSION]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
 
 
 class ProfileCache:
@@ -162,23 +168,27 @@ def one_hot(n: int, index: int, layers: int) -> tuple[int, ...]:
     return tuple(layers if i == index else 0 for i in range(n))
 
 
-def fit_node(model: ModelFacts, seconds: tuple[float, float], depths: tuple[int, int], samples: int) -> NodeProfile:
-    """Intercept and per-byte slope from the two timed depths (pure)."""
+def fit_node(model: ModelFacts, seconds: tuple[float, float], quiet: tuple[float, float], depths: tuple[int, int],
+             samples: int) -> NodeProfile:
+    """Intercept, per-byte slope and output cost from the two timed depths (pure).
+
+    ``seconds`` are whole tokens as served; ``quiet`` the same steps without logits, where llama.cpp computes no
+    output layer. Their difference is the output layer's cost on this node, measured on the same loaded layers
+    (no second layout, no scaling by bytes); the quiet steps give the layers' slope free of the output's
+    far larger read, which would bury it.
+    """
     low, high = depths
+    output = max(0.0, statistics.fmean(seconds) - statistics.fmean(quiet))
     if high > low:
         layer_bytes = sum(model.layer_bytes[low:high])
-        per_byte = max(0.0, (seconds[1] - seconds[0]) / layer_bytes) if layer_bytes else 0.0
-        fixed = max(0.0, seconds[0] - per_byte * sum(model.layer_bytes[:low]))
+        per_byte = max(0.0, (quiet[1] - quiet[0]) / layer_bytes) if layer_bytes else 0.0
+        fixed = max(0.0, quiet[0] - per_byte * sum(model.layer_bytes[:low]))
     else:
         # One depth only: no slope to fit, so charge it all to the layers (never favours this node).
-        per_byte = seconds[0] / max(1, sum(model.layer_bytes[:low]))
+        per_byte = quiet[0] / max(1, sum(model.layer_bytes[:low]))
         fixed = 0.0
-    return NodeProfile(fixed_s=fixed, seconds_per_byte=per_byte, measured_at=time.time(), samples=samples)
-
-
-def output_seconds(model: ModelFacts, profile: NodeProfile) -> float:
-    """The output layer's time on a node, scaled from its layers by weight bytes (decode reads every byte)."""
-    return profile.seconds_per_byte * model.output_bytes
+    return NodeProfile(fixed_s=fixed, seconds_per_byte=per_byte, measured_at=time.time(), samples=samples,
+                       output_s=output)
 
 
 def fit_overhead(model: ModelFacts, first: NodeProfile, second: NodeProfile, pair_s: float, depth: int) -> float:
@@ -187,8 +197,8 @@ def fit_overhead(model: ModelFacts, first: NodeProfile, second: NodeProfile, pai
     Alone, each node's time holds the coordinator's share and its own output layer; together, both once.
     """
     alone = first.fixed_s + second.fixed_s + (first.seconds_per_byte + second.seconds_per_byte) * sum(
-        model.layer_bytes[:depth])
-    return max(0.0, alone - pair_s - output_seconds(model, first))
+        model.layer_bytes[:depth]) + first.output_s + second.output_s
+    return max(0.0, alone - pair_s - first.output_s)
 
 
 def node_speed(model: ModelFacts, profile: NodeProfile | None, overhead_s: float) -> NodeSpeed:
@@ -199,9 +209,8 @@ def node_speed(model: ModelFacts, profile: NodeProfile | None, overhead_s: float
     if profile is None:
         return NodeSpeed(fixed_s=math.inf, per_layer_s=0.0)
     mean_layer = sum(model.layer_bytes) / model.n_layers
-    output = output_seconds(model, profile)
-    return NodeSpeed(fixed_s=max(0.0, profile.fixed_s - overhead_s - output),
-                     per_layer_s=profile.seconds_per_byte * mean_layer, output_s=output)
+    return NodeSpeed(fixed_s=max(0.0, profile.fixed_s - overhead_s),
+                     per_layer_s=profile.seconds_per_byte * mean_layer, output_s=profile.output_s)
 
 
 @dataclass(frozen=True)
@@ -253,7 +262,8 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         for timed_s, index in zip(seconds, todo, strict=True):
             target = targets[index]
             node_depths = depths[target.name] or (low, low)
-            profile = fit_node(model, (timed_s[0], timed_s[-1]), node_depths, TIMED_TOKENS)
+            full, quiet = timed_s
+            profile = fit_node(model, (full[0], full[-1]), (quiet[0], quiet[-1]), node_depths, TIMED_TOKENS)
             cache.save(target.key, profile)
             nodes[target.name] = profile
     timed = [index for index, target in enumerate(targets) if nodes.get(target.name) is not None]
@@ -262,13 +272,13 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         def alone(index: int) -> float:
             profile = nodes[targets[index].name]
             assert profile is not None
-            return profile.fixed_s + profile.seconds_per_byte * sum(model.layer_bytes[:low])
+            return profile.fixed_s + profile.seconds_per_byte * sum(model.layer_bytes[:low]) + profile.output_s
 
         first, second = sorted(sorted(timed, key=alone)[:2])
         counts = [0] * len(targets)
         counts[first] = counts[second] = low
         pair_model = str(await asyncio.to_thread(cut_model, model.path, 2 * low, cut_folder))
-        [[pair_s]] = await run_jobs(endpoints, [Job((Layout(pair_model, tuple(counts)),))], threads, log_path,
+        [([pair_s], _)] = await run_jobs(endpoints, [Job((Layout(pair_model, tuple(counts)),))], threads, log_path,
                                     JOB_TIMEOUT_S)
         first_profile, second_profile = nodes[targets[first].name], nodes[targets[second].name]
         assert first_profile is not None and second_profile is not None
@@ -278,38 +288,71 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
 
 
 async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, log_path: Path,
-                   timeout: float) -> list[list[float]]:
-    """Run the timed jobs in a child process; mean seconds per token of each layout of each job."""
-    config = {"endpoints": list(endpoints), "threads": threads,
-              "jobs": [[{"model": layout.model, "counts": list(layout.counts)} for layout in job.layouts]
-                       for job in jobs]}
-    with log_path.open("ab") as log:
-        process = await child.start("core.engine.profile", json.dumps(config), log, stdin=False)
-    assert process.stdout is not None
-    results: list[list[float]] = []
+                   timeout: float) -> list[tuple[list[float], list[float]]]:
+    """Mean seconds per token of each layout of each job: whole tokens, and the same steps without logits.
+
+    Each job runs in a child of its own that connects only to the workers its layouts use, so all of them load
+    at once (a load is mostly transfer and set-up, and a worker serves one client at a time); then they are
+    timed one after another, so that no job's timed steps compete with another's for a shared machine.
+    """
+    children = [_JobChild(endpoints, job, threads) for job in jobs]
     try:
         async with asyncio.timeout(timeout):
-            async for line in process.stdout:
-                try:
-                    answer = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # not ours: llama.cpp writes to stdout on some paths
-                if answer.get("event") == "token":
-                    continue  # the per-token events a step writes, as the coordinator does
-                if "error" in answer:
-                    raise ProfileError(f"profiling failed: {answer['error']}", f"see {log_path}")
-                results.append([float(value) for value in answer["seconds"]])
-            code = await process.wait()
+            with log_path.open("ab") as log:
+                for job_child in children:
+                    await job_child.start(log)
+            await asyncio.gather(*(job_child.answer("loaded", log_path) for job_child in children))
+            results = []
+            for job_child in children:
+                job_child.release()
+                answer = await job_child.answer("seconds", log_path)
+                results.append(([float(value) for value in answer["seconds"]],
+                                 [float(value) for value in answer["quiet"]]))
     except TimeoutError:
         raise ProfileError(f"profiling took longer than {timeout:g}s", f"see {log_path}") from None
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    if len(results) != len(jobs):
-        raise ProfileError(f"the profiler exited with {code} after {len(results)} of {len(jobs)} runs "
-                           "(a worker went away?)", f"see {log_path}")
+        for job_child in children:
+            await job_child.stop()
     return results
+
+
+class _JobChild:
+    """One job's child process: it loads its layouts, says so, and times them when released."""
+
+    def __init__(self, endpoints: Sequence[str], job: Job, threads: int) -> None:
+        used = [index for index in range(len(endpoints)) if any(layout.counts[index] for layout in job.layouts)]
+        self.config = {"endpoints": [endpoints[index] for index in used], "threads": threads,
+                       "job": [{"model": layout.model, "counts": [layout.counts[index] for index in used]}
+                               for layout in job.layouts]}
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self, log: IO[bytes]) -> None:
+        self.process = await child.start("core.engine.profile", json.dumps(self.config), log, stdin=True)
+
+    async def answer(self, key: str, log_path: Path) -> dict[str, Any]:
+        """The child's next protocol line that carries ``key``."""
+        assert self.process is not None and self.process.stdout is not None
+        async for line in self.process.stdout:
+            try:
+                answer = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # not ours: llama.cpp writes to stdout on some paths
+            if "error" in answer:
+                raise ProfileError(f"profiling failed: {answer['error']}", f"see {log_path}")
+            if key in answer:
+                return dict(answer)
+        code = await self.process.wait()
+        raise ProfileError(f"the profiler exited with {code} before it was done (a worker went away?)",
+                           f"see {log_path}")
+
+    def release(self) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
 
 
 # --- the child process --------------------------------------------------------------------------------
@@ -324,64 +367,86 @@ class _Run:
         self._lib = llama_cpp
         self.llm = llama_cpp.Llama(model_path=layout.model, n_gpu_layers=-1,
                                    tensor_split=list(split_for_counts(layout.counts)), n_ctx=PROFILE_CONTEXT,
+                                   n_batch=PROFILE_BATCH, n_ubatch=PROFILE_BATCH,
                                    n_threads=threads, n_threads_batch=threads, flash_attn=FLASH_ATTENTION,
                                    verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.llm.eval([self.llm.token_bos()])
         self.current = last_logits(self._lib, self.llm, self.n_vocab)
+        self.token = self.llm.token_bos()
+        self._batch = llama_cpp.llama_batch_init(1, 0, 1)
+
+    def close(self) -> None:
+        """Free the batch and the model."""
+        self._lib.llama_batch_free(self._batch)
+        self.llm.close()
+
+    def quiet_step(self) -> float:
+        """Seconds of one decode step that asks for no logits: llama.cpp then computes no output layer."""
+        started = time.perf_counter()
+        batch = self._batch
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0] = self.token, self.llm.n_tokens, 1
+        batch.seq_id[0][0], batch.logits[0] = 0, False
+        if self._lib.llama_decode(self.llm.ctx, batch) != 0:
+            raise RuntimeError("a decode step without logits failed")
+        self.llm.n_tokens += 1
+        return time.perf_counter() - started
 
     def step(self, out: IO[str]) -> float:
         """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
         started = time.perf_counter()
-        token = choose_token(self.current, 0.0, None)
+        token = self.token = choose_token(self.current, 0.0, None)
         emit(out, Token(0, token, self.decoder.decode(self.llm.detokenize([token]))))  # as the coordinator does
         self.llm.eval([token])
         self.current = last_logits(self._lib, self.llm, self.n_vocab)
         return time.perf_counter() - started
 
 
-def time_job(job: Job, threads: int, warmup: int, tokens: int, out: IO[str]) -> list[list[float]]:
-    """Seconds of each timed decode step of each layout, taken in turn (runs in the child).
+def time_runs(runs: Sequence[_Run], warmup: int, tokens: int,
+              out: IO[str]) -> tuple[list[list[float]], list[list[float]]]:
+    """Seconds of each timed decode step of each loaded layout, taken in turn (runs in the child): whole tokens,
+    and after each one the same step without logits.
 
-    A step does what the coordinator does per token, writing the same event to ``out``, so that the
+    A whole step does what the coordinator does per token, writing the same event to ``out``, so that the
     measured time is the time a token costs when the cluster serves.
     """
-    runs: list[_Run] = []
-    try:
-        runs += [_Run(layout, threads) for layout in job.layouts]
-        steps: list[list[float]] = [[] for _ in runs]
-        for index in range(warmup + tokens):
-            for run, record in zip(runs, steps, strict=True):
-                seconds = run.step(out)
-                if index >= warmup:
-                    record.append(seconds)
-        return steps
-    finally:
-        for run in runs:
-            run.llm.close()
+    steps: list[list[float]] = [[] for _ in runs]
+    quiet: list[list[float]] = [[] for _ in runs]
+    for index in range(warmup + tokens):
+        for run, record, quiet_record in zip(runs, steps, quiet, strict=True):
+            seconds, quiet_seconds = run.step(out), run.quiet_step()
+            if index >= warmup:
+                record.append(seconds)
+                quiet_record.append(quiet_seconds)
+    return steps, quiet
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the profiling child: one JSON line per job, ``{"job", "seconds"}`` or ``{"job", "error"}``."""
+    """Entry point of the profiling child: loads its job's layouts and says ``{"loaded": true}``, waits for a line
+    on stdin, then times them and says ``{"seconds": [...]}``; ``{"error"}`` when it cannot."""
     parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
-    parser.add_argument("config", help='{"endpoints": [...], "jobs": [[{"model", "counts"}, ...]], "threads"}')
+    parser.add_argument("config", help='{"endpoints": [...], "job": [{"model", "counts"}, ...], "threads"}')
     config = json.loads(parser.parse_args(argv).config)
+    runs: list[_Run] = []
     try:
         register_rpc_servers(tuple(config["endpoints"]))
-    except (RuntimeError, OSError) as exc:
-        print(json.dumps({"job": None, "error": str(exc)}), flush=True)
+        threads = int(config.get("threads", 1))
+        runs += [_Run(Layout(layout["model"], tuple(layout["counts"])), threads) for layout in config["job"]]
+        print(json.dumps({"loaded": True}), flush=True)
+        sys.stdin.readline()
+        steps, quiet = time_runs(runs, int(config.get("warmup", WARMUP_TOKENS)),
+                                 int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
+        # The mean, not the median: a node that is slow in bursts (shared, throttled) pays for each one.
+        print(json.dumps({"seconds": [statistics.fmean(record) for record in steps],
+                          "quiet": [statistics.fmean(record) for record in quiet]}), flush=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
         return 1
-    for index, raw in enumerate(config["jobs"]):
-        job = Job(tuple(Layout(layout["model"], tuple(layout["counts"])) for layout in raw))
-        try:
-            steps = time_job(job, int(config.get("threads", 1)), int(config.get("warmup", WARMUP_TOKENS)),
-                             int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
-            # The mean, not the median: a node that is slow in bursts (shared, throttled) pays for each one.
-            print(json.dumps({"job": index, "seconds": [statistics.fmean(record) for record in steps]}), flush=True)
-        except (RuntimeError, ValueError, OSError) as exc:
-            print(json.dumps({"job": index, "error": str(exc)}), flush=True)
-            return 1
+    finally:
+        for run in runs:
+            run.close()
     return 0
 
 
