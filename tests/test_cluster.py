@@ -90,6 +90,7 @@ def test_status_shows_each_nodes_computes_from_the_relay(cluster3: Cluster) -> N
         assert seen is not None, "no snapshot showed the run with computes on every node"
         for node in seen["nodes"]:
             assert node["layers"] and node["compute_ms"] > 0 and node["link"] == "connected"
+            assert node["computes_timed"] > 0 and node["compute_ms_total"] > 0
             assert node["bytes_to"] > 0 and node["bytes_from"] > 0
     finally:
         watch.kill()

@@ -302,6 +302,7 @@ class Fleet:
                 status.computes, status.recomputes = seen.computes, seen.recomputes
                 status.bytes_to, status.bytes_from = seen.bytes_to, seen.bytes_from
                 status.compute_ms, status.link = seen.compute_ms, "connected" if seen.connected else "idle"
+                status.compute_ms_total, status.computes_timed = seen.compute_ms_total, seen.computes_timed
             elif runtime.relayed is not None:
                 status.link = "direct"
             copies.append(status)
