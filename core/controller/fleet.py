@@ -103,6 +103,10 @@ class NodeWatcher:
             if self.fleet.stopping:
                 return  # `down` came first
             adopted = await worker.start(runtime.remote, spec)
+        if adopted:
+            # Its "started" event came before the events followed from now on; the watchdog's look for a stopped
+            # worker and a reconnect while the coordinator uses it both go by this pid.
+            status.pid = await worker.running_worker(runtime.remote, spec)
         self.log.record("worker", "adopted the running worker" if adopted else "worker started", runtime.name)
         await self._connect_worker()
         self.fleet.sample(runtime)
