@@ -7,7 +7,7 @@ match is never used.
 
 Facts that make it a good test of real GGUFs: gemma3 architecture, 18 layers, K-quant and mixed tensor types,
 a 262,144-token vocabulary, no ``output.weight`` (the Q8_0 ``token_embd.weight``, 70% of the file, is also
-the output layer), sliding-window attention, a chat template with special tokens.
+the output layer), sliding-window attention; a base model, without a chat template.
 
 ``python -m tests.realmodel`` fetches it and prints its path (``make test`` does so before the tests).
 """
