@@ -1,10 +1,12 @@
 """ggml-cluster against bare llama.cpp, and the model load cold against warm (the workers' tensor cache).
 
 Parity: the same two workers (ggml-rpc-server `-t 1` on two SSH nodes on loopback, real sshd, started by
-ggml-cluster) and the same 4/4 layer split of the 183 MB 8-layer f16 model, driven in one run with the arms
-rotating each round by
+ggml-cluster) and the same layer split of one model (`--model`: by default the 183 MB 8-layer f16 model made
+here; `--model real` is the Gemma 3 270M Q4_K_M of tests/realmodel.py; or any GGUF), driven in one run with the
+arms rotating each round by
   - llama-bench, built from the same pinned llama.cpp source as the workers and the coordinator, with
-    `--rpc` to the workers while no cluster is up (`down --keep-workers`): decode (tg) and prompt (pp) tokens/s;
+    `--rpc` to the workers while no cluster is up (`down --keep-workers`) and `-ts` the cluster's split:
+    decode (tg) and prompt (pp) tokens/s;
   - ggml-cluster with `transport: direct` (`up` adopts the workers; `run`, then `down --keep-workers`);
   - the same with `transport: ssh` (RPC forwarded through the SSH connections, the default).
 ggml-cluster is measured through `ggml-cluster run --json` (the path the API takes) after an 8-token warm-up
@@ -12,6 +14,9 @@ request (llama-bench warms up too): decode tokens/s from the first token to the 
 receives them, prompt tokens/s as the coordinator times the prompt, and time to first token as the
 controller sees it (request in to first token out). llama-bench has no time to first token; its equivalent
 is derived as prompt/pp + 1/tg.
+The split is the `equal` strategy's for the model's layer count, which is llama.cpp's own `-ts 1/1` (the output
+layer takes a slot too: 5/3 of 8 layers, 10/8 of 18, the output with the second node); the cluster's placement is
+checked against it before the rounds start.
 
 Load: each cluster's coordinator is killed and the controller reloads the model into the same workers, with the
 workers' tensor cache emptied first (cold) or kept (warm); the time is the controller's `coordinator-ready`
@@ -21,9 +26,10 @@ across a shaped link (`--link`, 1 Gbit/s each way by default, a common LAN): two
 the run, the head's (controller, coordinator) and the nodes' (sshd, workers), joined by a veth pair whose ends
 are rate-limited with `tc tbf`. On loopback the transfer that the cache saves costs little next to the loader's
 fixed costs, so the link arm shows what the cache is for. The link arm needs root (it is skipped otherwise, or
-with `--link none`).
+with `--link none`). This part always uses its own model, whatever `--model` says: what the cache saves is
+tensors over the threshold, which a small real model barely has.
 
-    .venv/bin/python bench/parity.py [--rounds 5] [--tokens 128] [--prompt 64] [--link 1gbit]
+    .venv/bin/python bench/parity.py [--model PATH|real] [--rounds 5] [--tokens 128] [--prompt 64] [--link 1gbit]
     (first run: builds llama-bench from the cached llama.cpp source, ~6 min on 2 cores)
 """
 
@@ -47,13 +53,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import big_model
 
-from core.model import write_demo_model
+from core.errors import InventoryError
+from core.model import read_model, write_demo_model
 from core.nodes.build import cache_dir, pinned_version, source_tree
+from core.planner import NodeCapacity, Plan, plan_equal
 from tests.harness import Cluster, free_port
+from tests.realmodel import real_model
 from tests.sshd import SshWorld
 
-# Whole words of the demo vocabulary: one token each.
+CONTEXT = 1024
+# Whole words of the demo vocabulary: one token each (on another model's vocabulary about one each; the prompt's
+# length is counted by the cluster and given to llama-bench as it is).
 WORDS = "the cluster model layer token worker shard graph compute memory tensor fast slow ready split plan".split()
+
+
+def model_argument(text: str) -> Path:
+    """`--model`: ``real`` for tests/realmodel.py's Gemma 3 270M Q4_K_M (fetched once), else a GGUF file."""
+    path = real_model() if text == "real" else Path(text).expanduser()
+    try:
+        read_model(path)
+    except InventoryError as error:
+        reason = error.message.removeprefix("model: ")
+        raise argparse.ArgumentTypeError(f"{reason} (fix: give a .gguf file, or 'real')") from None
+    return path
+
+
+def equal_split(model: Path) -> Plan:
+    """The `equal` strategy's plan of ``model`` over two nodes: what the cluster arms run and llama-bench is given.
+
+    The nodes are on this machine, so memory is no limit here; the cluster checks its own when it plans.
+    """
+    facts = read_model(model)
+    if facts.n_layers < 2:
+        raise SystemExit(f"parity.py: --model {model}: {facts.n_layers} layer, but the arms split the model over "
+                         "two workers (fix: a model with at least 2 layers)")
+    return plan_equal(facts, [NodeCapacity(f"n{index}", 1 << 62) for index in range(2)], CONTEXT)
+
+
+def split_text(plan: Plan) -> str:
+    """Each node's layers, e.g. '10/8 (layers 0-9 | 10-17 + output)'."""
+    counts = "/".join(str(last - first + 1) for first, last in (layers or (0, -1) for layers in plan.layers))
+    ranges = " | ".join(f"{layers[0]}-{layers[1]}" for layers in plan.layers if layers)
+    return f"{counts} (layers {ranges} + output)"
 
 
 def llama_bench() -> Path:
@@ -73,11 +114,13 @@ def llama_bench() -> Path:
     return binary
 
 
-def bench_rates(binary: Path, model: Path, ports: list[int], prompt: int, tokens: int) -> tuple[float, float]:
-    """llama-bench's (decode, prompt) tokens/s over the two workers."""
+def bench_rates(binary: Path, model: Path, ports: list[int], split: Plan, prompt: int,
+                tokens: int) -> tuple[float, float]:
+    """llama-bench's (decode, prompt) tokens/s over the two workers, with the cluster's split."""
     result = subprocess.run(
         [str(binary), "-m", str(model), "--rpc", ",".join(f"127.0.0.1:{port}" for port in ports), "-ngl", "99",
-         "-sm", "layer", "-ts", "1/1", "-t", "1", "-p", str(prompt), "-n", str(tokens), "-r", "1", "-o", "json"],
+         "-sm", "layer", "-ts", "/".join(f"{share:g}" for share in split.tensor_split), "-t", "1",
+         "-p", str(prompt), "-n", str(tokens), "-r", "1", "-o", "json"],
         capture_output=True, text=True, check=True)
     rows = json.loads(result.stdout)
     decode = next(row["avg_ts"] for row in rows if row["n_gen"] > 0)
@@ -88,6 +131,8 @@ def bench_rates(binary: Path, model: Path, ports: list[int], prompt: int, tokens
 def cluster_rates(cluster: Cluster, prompt_text: str, tokens: int) -> tuple[float, float, float, int]:
     """ggml-cluster's decode tokens/s, prompt tokens/s, time to first token (s) and prompt length."""
     decode = json.loads(cluster.cli("run", "The cluster", "-n", str(tokens), "--json").stdout)
+    if decode["completion_tokens"] < tokens:  # the model's end of text: fewer tokens than llama-bench decodes
+        print(f"  note: the decode stopped at {decode['completion_tokens']} of {tokens} tokens (end of text)")
     fill = json.loads(cluster.cli("run", prompt_text, "-n", "1", "--json").stdout)
     # Decode as the controller sees the tokens arrive (first token to last), not only inside the coordinator.
     timings = decode["timings"]
@@ -102,7 +147,7 @@ def ssh_cluster(world: SshWorld, root: Path, model: Path, transport: str, workdi
     root.mkdir(parents=True, exist_ok=True)
     lines = [[f"host: {server.address}", f"port: {server.port}", "user: root", f"identity: {world.identity}"]
              for server in world.servers]
-    return Cluster(root, nodes=2, context=1024, ssh=lines, base_env=world.env(), strategy="equal",
+    return Cluster(root, nodes=2, context=CONTEXT, ssh=lines, base_env=world.env(), strategy="equal",
                    top=[f"model: {model}"], defaults=[f"workdir: {workdir}", f"transport: {transport}"],
                    ports=ports)
 
@@ -208,6 +253,8 @@ def loads_from(node_space: str, model: Path, rounds: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=model_argument, help="a GGUF, or 'real' (default: the 8-layer f16 model "
+                        "made here)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens for the prompt-rate arms")
@@ -221,7 +268,8 @@ def main() -> int:
     if args.loads_from:
         return loads_from(args.loads_from, load_model, load_rounds)
     binary = llama_bench()
-    model = big_model(cache_dir() / "models" / "bench-8x1024.gguf")
+    model = args.model or big_model(cache_dir() / "models" / "bench-8x1024.gguf")
+    split = equal_split(model)
     root = Path(tempfile.mkdtemp(prefix="bench-parity-", dir="/tmp"))
     world = SshWorld(root / "world", nodes=2)
     ports = [free_port(), free_port()]
@@ -232,6 +280,11 @@ def main() -> int:
     linked: dict[str, dict[str, list[float]]] = {}
     try:
         clusters["direct"].cli("up")  # starts the workers every arm uses
+        placed = clusters["direct"].status()
+        layers = [tuple(node["layers"]) if node["layers"] else None for node in placed["nodes"]]
+        if placed["tensor_split"] != list(split.tensor_split) or layers != list(split.layers):
+            raise RuntimeError(f"the cluster placed layers {layers} with split {placed['tensor_split']}, not the "
+                               f"equal split {list(split.layers)} llama-bench is given")
         prompt_text = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt - 1))
         prompt_tokens = cluster_rates(clusters["direct"], prompt_text, 1)[3]  # BOS + the words: llama-bench's -p
         clusters["direct"].cli("down", "--keep-workers")
@@ -239,7 +292,7 @@ def main() -> int:
             arms = ["llama-bench", "direct", "ssh"]
             for arm in arms[round_ % 3:] + arms[:round_ % 3]:
                 if arm == "llama-bench":
-                    decode, fill = bench_rates(binary, model, ports, prompt_tokens, args.tokens)
+                    decode, fill = bench_rates(binary, model, ports, split, prompt_tokens, args.tokens)
                     ttft = prompt_tokens / fill + 1 / decode
                 else:
                     cluster = clusters[arm]
@@ -276,8 +329,9 @@ def main() -> int:
         return statistics.median(ours / base for ours, base in zip(rates[arm][key], rates[against][key],
                                                                    strict=True))
 
-    print(f"model {model.stat().st_size / 1e6:.0f} MB split 4/4 over the same two -t 1 workers; "
-          f"{args.tokens} decode tokens, {prompt_tokens}-token prompt; {args.rounds} rounds, arms rotated, medians")
+    print(f"model {model.name} ({model.stat().st_size / 1e6:.0f} MB) split {split_text(split)} over the same "
+          f"two -t 1 workers; {args.tokens} decode tokens, {prompt_tokens}-token prompt; {args.rounds} rounds, "
+          "arms rotated, medians")
     for arm, values in rates.items():
         print(f"  {arm:<11} decode {median(arm, 'decode'):6.1f} tok/s  prompt {median(arm, 'prompt'):7.1f} tok/s  "
               f"first token {median(arm, 'ttft') * 1000:6.1f} ms   (decode runs: "

@@ -77,6 +77,8 @@ class NodeStatus:
     bytes_to: int = 0
     bytes_from: int = 0
     compute_ms: float | None = None   # measured: GRAPH_COMPUTE to its answer, moving average
+    compute_ms_total: float = 0.0     # the sum of those times, and how many: a mean over any window
+    computes_timed: int = 0
     link: str = ""                    # the coordinator's connection: connected | idle | direct (not observed)
     endpoint: str = ""                # the worker as the controller reaches it (an SSH forward, or direct)
     cpu_percent: float | None = None  # the worker process, sampled on its node (100 = one core)

@@ -90,6 +90,7 @@ def test_status_shows_each_nodes_computes_from_the_relay(cluster3: Cluster) -> N
         assert seen is not None, "no snapshot showed the run with computes on every node"
         for node in seen["nodes"]:
             assert node["layers"] and node["compute_ms"] > 0 and node["link"] == "connected"
+            assert node["computes_timed"] > 0 and node["compute_ms_total"] > 0
             assert node["bytes_to"] > 0 and node["bytes_from"] > 0
     finally:
         watch.kill()
@@ -186,6 +187,7 @@ def test_down_keep_workers_leaves_them_for_the_next_up(cluster3: Cluster) -> Non
     assert all(alive(pid) for pid in workers.values()) and all(listening(port) for port in cluster3.ports)
     assert "adopted the workers" in cluster3.cli("up").stderr
     assert {node: cluster3.worker_pid(node) for node in workers} == workers
+    assert {node["name"]: node["pid"] for node in cluster3.status()["nodes"]} == workers  # adopted, still shown
     assert json.loads(cluster3.cli("run", PROMPT, "-n", "8", "--json").stdout)["text"] == expected
 
 

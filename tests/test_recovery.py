@@ -78,8 +78,12 @@ def expected(prompt: str, tokens: int) -> str:
 
 @asynccontextmanager
 async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, cues: dict[str, Any] | None = None,
-                  nodes: int = 2, memory: str = "") -> AsyncIterator[Harness]:
-    """A running controller over ``nodes`` fake nodes (each ``memory`` capped) and the stub coordinator."""
+                  nodes: int = 2, memory: str = "", *, adopt: Harness | None = None,
+                  keep_workers: bool = False) -> AsyncIterator[Harness]:
+    """A running controller over ``nodes`` fake nodes (each ``memory`` capped) and the stub coordinator.
+
+    ``adopt``: the nodes (and their workers) of an earlier cluster, which a new controller adopts;
+    ``keep_workers``: the controller leaves its workers running when it stops (`down --keep-workers`)."""
     (tmp_path / "cues.json").write_text(json.dumps(cues or {}))
     monkeypatch.setenv("GGML_STUB_CUES", str(tmp_path / "cues.json"))
     lines = ["cluster: fake", "context: 512", "strategy: memory", "nodes:"]
@@ -87,9 +91,13 @@ async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, 
         lines += [f"  - {{name: n{index}, host: 127.0.0.{index + 1}, transport: direct, rpc_port: {50100 + index},"
                   f" build: {{path: /opt/rpc/ggml-rpc-server}}{', memory: ' + memory if memory else ''}}}"]
     inventory = parse_inventory("\n".join(lines) + "\n", str(tmp_path / "inventory.yaml"))
-    remotes = {f"n{index}": FakeRemote(f"n{index}") for index in range(nodes)}
-    workers = {name: FakeWorker(remote, f"/home/fake/.ggml-cluster/fake/{name}") for name, remote in remotes.items()}
-    hello = dict.fromkeys(remotes, "ok")
+    if adopt is None:
+        remotes = {f"n{index}": FakeRemote(f"n{index}") for index in range(nodes)}
+        workers = {name: FakeWorker(remote, f"/home/fake/.ggml-cluster/fake/{name}")
+                   for name, remote in remotes.items()}
+        hello = dict.fromkeys(remotes, "ok")
+    else:
+        remotes, workers, hello = adopt.remotes, adopt.workers, adopt.hello
     by_host = {f"127.0.0.{index + 1}": f"n{index}" for index in range(nodes)}
 
     async def probe(host: str, port: int) -> WorkerInfo:
@@ -100,7 +108,7 @@ async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, 
             raise WorkerDown(f"{host}:{port}: connection refused")
         return WorkerInfo(Version(7, 0, 0), (DeviceMemory(8 * GIB, 8 * GIB),))
 
-    state = StateDir(tmp_path / "state").create()
+    state = StateDir(tmp_path / ("state" if adopt is None else "adopting")).create()
     launch = Launch(binary="/opt/rpc/ggml-rpc-server", protocol=Version(7, 0, 0), model=str(model))
     controller = Controller(inventory, launch, state, Seams(
         reach=lambda node: remotes[node.name], probe=probe, coordinator="tests.stub_coordinator", watchdog_s=0.3,
@@ -111,7 +119,7 @@ async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, 
         await harness.until(controller.supervisor.ready.is_set, "the first coordinator")
         yield harness
     finally:
-        await controller.shutdown()
+        await controller.shutdown(stop_workers=not keep_workers)
 
 
 def test_a_worker_that_exits_while_idle_is_restarted_and_the_coordinator_reconnects(
@@ -218,6 +226,28 @@ def test_a_stopped_worker_is_named_and_killed_by_the_watchdog(
             await fake.until(lambda: fake.controller.requests.current is not None
                              and len(fake.controller.requests.current.generated) == 4, "four tokens")
             fake.workers["n1"].stopped = True  # SIGSTOP: the pipeline waits on it forever
+            await fake.until(lambda: fake.workers["n1"].kills == 1, "the watchdog's kill")
+            text, done = await runner
+            assert text == expected("stop", 10)
+            assert "worker n1 is stopped" in done["recoveries"][0]["cause"]
+
+    asyncio.run(scenario())
+
+
+def test_an_adopted_worker_has_its_pid_and_when_stopped_is_named_by_the_watchdog(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, keep_workers=True) as first:
+            pids = {name: worker.pid for name, worker in first.workers.items()}
+        # A new controller (`up` after `down --keep-workers`); its coordinator, the second one, stalls.
+        async with cluster(tmp_path, model, monkeypatch, {"stall_at": {"2": 4}}, adopt=first) as fake:
+            assert [event.message for event in fake.controller.log.recent if event.kind == "worker"] == [
+                "adopted the running worker"] * 2
+            assert {name: runtime.status.pid for name, runtime in fake.controller.nodes.items()} == pids
+            runner = asyncio.ensure_future(fake.run("stop", 10))
+            await fake.until(lambda: fake.controller.requests.current is not None
+                             and len(fake.controller.requests.current.generated) == 4, "four tokens")
+            fake.workers["n1"].stopped = True
             await fake.until(lambda: fake.workers["n1"].kills == 1, "the watchdog's kill")
             text, done = await runner
             assert text == expected("stop", 10)

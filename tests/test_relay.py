@@ -168,6 +168,22 @@ def test_a_tokens_requests_reach_the_worker_in_two_writes() -> None:
     assert worker.writes == [b"".join(requests[:6]), requests[6]]
 
 
+def test_compute_times_are_summed_and_counted_besides_their_moving_average() -> None:
+    link = Link(Relay(("127.0.0.1", 1), print))
+    link.worker_connected(Capture())
+    # Two tokens: a compute sent at 1.000 s answered at 1.004 s, a recompute at 2.000 s answered at 2.010 s.
+    with patch("core.rpc.relay.time") as clock:
+        clock.perf_counter.side_effect = [1.000, 1.004, 2.000, 2.010]
+        for command in (GRAPH_COMPUTE, GRAPH_RECOMPUTE):
+            link.from_client(frame(command, bytes(16)))
+            link.from_worker(b"the next node's input")
+        link.from_worker(b"an answer with no compute before it")  # not timed
+    stats = link.relay.stats
+    assert stats.computes_timed == 2
+    assert stats.compute_ms_total == pytest.approx(14.0)
+    assert stats.compute_ms == pytest.approx(0.2 * 10.0 + 0.8 * 4.0)
+
+
 @pytest.mark.integration
 def test_relay_in_front_of_a_real_worker() -> None:
     port = free_port()

@@ -128,6 +128,18 @@ def test_restart_after_a_kill_then_adopt_then_stop(tmp_path: Path) -> None:
     assert not (workdir / "supervisor.pid").exists()
 
 
+@pytest.mark.timeout(60)
+def test_the_running_worker_is_found_by_its_pid_file_while_it_runs(tmp_path: Path) -> None:
+    # No exec: the shell keeps the worker's command line (`-p 1 -c …`), by which its pid file is checked.
+    spec = _spec(tmp_path, "trap 'exit 0' TERM\nwhile :; do sleep 0.2; done\n")
+    remote = LocalRemote("n")
+    assert asyncio.run(worker.start(remote, spec)) is False
+    _wait_for(lambda: asyncio.run(worker.running_worker(remote, spec)) is not None)
+    assert asyncio.run(worker.running_worker(remote, spec)) == pid_in(Path(spec.workdir) / "worker.pid")
+    asyncio.run(worker.stop(remote, spec))
+    assert asyncio.run(worker.running_worker(remote, spec)) is None
+
+
 def test_a_local_command_that_starts_a_daemon_returns_on_the_controllers_loop() -> None:
     """The controller runs on uvloop, whose children keep copies of their pipes: a daemon started by a
     command (the supervisor is one) must not hold the command's output open until it exits."""

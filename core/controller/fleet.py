@@ -103,6 +103,10 @@ class NodeWatcher:
             if self.fleet.stopping:
                 return  # `down` came first
             adopted = await worker.start(runtime.remote, spec)
+        if adopted:
+            # Its "started" event came before the events followed from now on; the watchdog's look for a stopped
+            # worker and a reconnect while the coordinator uses it both go by this pid.
+            status.pid = await worker.running_worker(runtime.remote, spec)
         self.log.record("worker", "adopted the running worker" if adopted else "worker started", runtime.name)
         await self._connect_worker()
         self.fleet.sample(runtime)
@@ -302,6 +306,7 @@ class Fleet:
                 status.computes, status.recomputes = seen.computes, seen.recomputes
                 status.bytes_to, status.bytes_from = seen.bytes_to, seen.bytes_from
                 status.compute_ms, status.link = seen.compute_ms, "connected" if seen.connected else "idle"
+                status.compute_ms_total, status.computes_timed = seen.compute_ms_total, seen.computes_timed
             elif runtime.relayed is not None:
                 status.link = "direct"
             copies.append(status)

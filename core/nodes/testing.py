@@ -162,6 +162,8 @@ class FakeWorker:
         remote.on("ours supervisor.pid", self._supervisor)
         remote.on('send TERM "$sup"', self._stop)
         remote.on('send KILL "$(ours worker.pid', self._kill)
+        remote.on('echo "${wrk%% *}"', lambda command: CommandResult(
+            0, f"{self.pid}\n", "") if self.pid is not None else CommandResult(1, "", ""))
         remote.on(re.compile(r"^ps -o stat= -p \d+$"),
                   lambda command: CommandResult(0, "T\n" if self.stopped else "S\n", ""))
 

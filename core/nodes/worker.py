@@ -161,6 +161,16 @@ async def running_supervisor(remote: Remote, spec: WorkerSpec) -> tuple[int, str
     return int(lines[0]), "\n".join(lines[1:])
 
 
+async def running_worker(remote: Remote, spec: WorkerSpec) -> int | None:
+    """The live worker's pid, or None (between an exit and its restart, or when worker.pid is stale)."""
+    workdir = shell_command([spec.workdir])
+    result = await remote.run(
+        f"{PIDS}\ncd {workdir} 2>/dev/null && wrk=$(ours worker.pid {shell_command([spec.worker_marker()])})"
+        " && echo \"${wrk%% *}\"")
+    pid = result.stdout.strip()
+    return int(pid) if result.code == 0 and pid.isdigit() else None
+
+
 async def start(remote: Remote, spec: WorkerSpec) -> bool:
     """Start the worker under its supervisor, or adopt the one already running it.
 

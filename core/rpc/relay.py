@@ -50,6 +50,10 @@ class RelayStats:
     bytes_to: int = 0       # coordinator → worker
     bytes_from: int = 0     # worker → coordinator
     compute_ms: float | None = None  # moving average, GRAPH_COMPUTE → first answer after it
+    # Their running sum and count: differences of two readings give the exact mean over that window
+    # (a benchmark's decode), which the moving average only approximates.
+    compute_ms_total: float = 0.0
+    computes_timed: int = 0
     connected: bool = False
     connections: int = 0
 
@@ -184,6 +188,8 @@ class Link:
         if self.compute_started is not None:
             elapsed = (time.perf_counter() - self.compute_started) * 1000
             self.compute_started = None
+            stats.compute_ms_total += elapsed
+            stats.computes_timed += 1
             stats.compute_ms = elapsed if stats.compute_ms is None else (
                 SMOOTHING * elapsed + (1 - SMOOTHING) * stats.compute_ms)
         if self.client is not None:
