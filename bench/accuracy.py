@@ -15,12 +15,15 @@ Per node that holds layers:
   - ms/token: plan.json's `predicted_ms` for the node against the relay's compute times over the decode, the
     difference of `compute_ms_total` over that of `computes_timed` between the snapshots (GRAPH_COMPUTE to the
     first answer after it: the node's share of a token as the coordinator sees it);
-  - memory: plan.json's `bytes` for the node against what its worker took for the model: on a CPU node its
-    resident memory after the decode minus before the load; on a GPU node the node's GPU memory in use after
-    the decode (status's `gpu_mem_used`, from nvidia-smi/rocm-smi) minus the device's before the load (total -
-    free from GET_DEVICE_MEMORY). GET_DEVICE_MEMORY cannot be read with the model loaded: the coordinator is the
-    worker's one client then, and the worker frees a client's buffers when it leaves. llama.cpp's CPU device
-    reports all of the machine's memory as free, so on CPU nodes its free/total is shown, not compared.
+  - memory: plan.json's `bytes` for the node against what llama.cpp allocated on its device (the model, KV and
+    compute buffers the coordinator's log reports for that worker in the last load), judged; and, shown beside
+    it, what the worker took for the model: on a CPU node its resident memory after the decode minus before the
+    load (lower than the allocation: a CPU buffer's untouched pages, such as most of the logits buffer a decode
+    never fills, are not resident); on a GPU node the node's GPU memory in use after the decode (status's
+    `gpu_mem_used`, from nvidia-smi/rocm-smi) minus the device's before the load (total - free from
+    GET_DEVICE_MEMORY). GET_DEVICE_MEMORY cannot be read with the model loaded: the coordinator is the worker's
+    one client then, and the worker frees a client's buffers when it leaves. llama.cpp's CPU device reports all
+    of the machine's memory as free, so on CPU nodes its free/total is shown, not compared.
 And for the coordinator: plan.json's `overhead_ms` against the measured total ms/token (`run --json`, first
 token to last, as the controller receives them) minus the nodes' measured shares; then the plan's predicted
 total against the measured total. Each ratio is measured / predicted, marked ok within the bounds of issue 20
@@ -83,8 +86,27 @@ class Row:
     predicted_ms: float | None
     measured_ms: float | None
     predicted_bytes: int
+    allocated_bytes: int | None  # what llama.cpp allocated on the node's device (the coordinator's log)
     used_bytes: int | None
     device: str  # GET_DEVICE_MEMORY before the load, free/total
+
+
+DEVICE = re.compile(r"llama_prepare_model_devices: using device RPC\d+ \(([^)]+)\)")
+BUFFER = re.compile(r"RPC\d+\[([^\]]+)\] (?:model|KV|compute) buffer size =\s+([\d.]+) MiB")
+
+
+def allocations(log_text: str) -> list[int]:
+    """Bytes llama.cpp allocated on each RPC device in the last load of the coordinator's log (weights, KV
+    caches, compute buffer), in the order the devices were registered: the plan's nodes with layers."""
+    lines = log_text.splitlines()
+    starts = [index for index, line in enumerate(lines)
+              if DEVICE.search(line) and (index == 0 or not DEVICE.search(lines[index - 1]))]
+    load = "\n".join(lines[starts[-1]:]) if starts else ""
+    order = DEVICE.findall(load)  # the devices of that load in registration order, as llama.cpp lists them
+    totals = dict.fromkeys(order, 0.0)
+    for endpoint, size in BUFFER.findall(load):
+        totals[endpoint] = totals.get(endpoint, 0.0) + float(size)
+    return [int(size * MIB) for size in totals.values()]
 
 
 def resident(pid: int) -> int:
@@ -146,6 +168,9 @@ def measure(root: Path, model: Path, strategy: str, tokens: int,
         end = cluster.status()
         after = {name: resident(state.pid) for name, state in before.items()}
         plan = json.loads((cluster.state / "plan.json").read_text())
+        allocated = dict(zip([node["name"] for node in plan["nodes"] if node["layers"]],
+                             allocations((cluster.state / "coordinator.log").read_text(errors="replace")),
+                             strict=False))
     finally:
         cluster.cli("down", check=False)
     if result["completion_tokens"] < tokens:
@@ -165,7 +190,7 @@ def measure(root: Path, model: Path, strategy: str, tokens: int,
             used = None
         device = "+".join(f"{device.free / MIB:.0f}/{device.total / MIB:.0f}" for device in devices)
         rows.append(Row(strategy, name, planned[name]["layers"], planned[name]["predicted_ms"], measured,
-                        planned[name]["bytes"], used, f"{device} MiB ({node['backend']})"))
+                        planned[name]["bytes"], allocated.get(name), used, f"{device} MiB ({node['backend']})"))
     return rows, plan, decode_ms(result)
 
 
@@ -186,7 +211,7 @@ def number(value: float | None, digits: int = 2) -> str:
 def report(rows: list[Row], plans: dict[str, dict[str, Any]], totals: dict[str, float]) -> None:
     """The table: per strategy a row per node, then the coordinator's overhead and the total."""
     print(f"{'strategy':<8} {'node':<11} {'layers':<6} {'pred ms':>8} {'meas ms':>8} {'ratio':>5} {'ms':<3} "
-          f"{'pred MiB':>8} {'used MiB':>8} {'ratio':>5} {'mem':<3}  device free/total before load")
+          f"{'pred MiB':>8} {'alloc MiB':>9} {'ratio':>5} {'mem':<3} {'used MiB':>8}  device free/total before load")
     for strategy, plan in plans.items():
         nodes = [row for row in rows if row.strategy == strategy]
         for row in nodes:
@@ -194,11 +219,12 @@ def report(rows: list[Row], plans: dict[str, dict[str, Any]], totals: dict[str, 
             layers = f"{row.layers[0]}-{row.layers[1]}" if row.layers else "-"
             ms_ratio, ms_mark = judged(row.predicted_ms, row.measured_ms if held else None, MS_BOUND)
             used = row.used_bytes if held else None
-            mem_ratio, mem_mark = judged(row.predicted_bytes if held else None, used, MEMORY_BOUND)
+            allocated = row.allocated_bytes if held else None
+            mem_ratio, mem_mark = judged(row.predicted_bytes if held else None, allocated, MEMORY_BOUND)
             print(f"{strategy:<8} {row.node:<11} {layers:<6} {number(row.predicted_ms):>8} "
                   f"{number(row.measured_ms if held else None):>8} {ms_ratio:>5} {ms_mark:<3} "
-                  f"{row.predicted_bytes / MIB:>8.1f} {number(None if used is None else used / MIB, 1):>8} "
-                  f"{mem_ratio:>5} {mem_mark:<3}  {row.device}")
+                  f"{row.predicted_bytes / MIB:>8.1f} {number(None if allocated is None else allocated / MIB, 1):>9} "
+                  f"{mem_ratio:>5} {mem_mark:<3} {number(None if used is None else used / MIB, 1):>8}  {row.device}")
         shares = [row.measured_ms for row in nodes if row.layers is not None]
         total = totals[strategy]
         overhead = None if None in shares else total - sum(share for share in shares if share is not None)

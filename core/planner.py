@@ -319,7 +319,7 @@ def choose(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], cont
 
 # --- what the profiler measures ------------------------------------------------------------------------
 
-DEPTHS = (1, 2)        # layers on the node in the two layouts the profiler times side by side
+DEPTHS = (1, 3)        # layers on the node in the two layouts the profiler times side by side
 PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
 PROFILE_BATCH = 8      # the profiler decodes one token at a time: no room for a prompt's logits
 

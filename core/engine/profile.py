@@ -1,13 +1,14 @@
 """Node profiles: what a token costs on each node for this model, measured through its real worker.
 
-A node is measured by short timed runs: two copies of the model cut to its first 1 and 2 layers (the same
-tensors, types and vocabulary: a layer's worth of the model's own bytes, and its output layer) are loaded with
-every layer on that node alone, and their decode steps are timed in turn, side by side, so that drift of the
-machine cancels out of the difference. The slope is the node's time per byte of layer weights; the intercept is
-its fixed cost per token (round trips, dispatch), which also holds the output layer, the logits it sends and
-the coordinator's own work per token. One extra run with two nodes separates the coordinator's share, so that a
-plan over several nodes counts it once. All nodes load at once; their timed steps run one node at a time.
-Results are cached per (node, model, build) and re-measured on request.
+A node is measured by short timed runs: two copies of the model cut to its first 1 and 3 layers (the same
+tensors, types and vocabulary: a few layers' worth of the model's own bytes, and its output layer) are loaded
+with every layer on that node alone, and their decode steps are timed in turn, side by side, so that drift of
+the machine cancels out of the difference. The slope is the node's time per byte of layer weights. After each
+whole token a step without logits times what a step costs with (nearly) nothing computed: the node's fixed cost
+(round trips, dispatch, the coordinator's own work); the rest of a token is the output layer on that node.
+One extra run with two nodes separates the coordinator's share, so that a plan over several nodes counts it
+once. All nodes load at once; their timed steps run one node at a time. Results are cached per (node, model,
+build) and re-measured on request.
 
 The timed runs happen in a child process (``python -m core.engine.profile``) for the same reason the
 coordinator is one: llama.cpp aborts when a worker goes away.
@@ -170,23 +171,23 @@ def one_hot(n: int, index: int, layers: int) -> tuple[int, ...]:
 
 def fit_node(model: ModelFacts, seconds: tuple[float, float], quiet: tuple[float, float], depths: tuple[int, int],
              samples: int) -> NodeProfile:
-    """Intercept, per-byte slope and output cost from the two timed depths (pure).
+    """Fixed cost, per-byte slope and output cost from the two timed depths (pure).
 
-    ``seconds`` are whole tokens as served; ``quiet`` the same steps without logits, where llama.cpp computes no
-    output layer. Their difference is the output layer's cost on this node, measured on the same loaded layers
-    (no second layout, no scaling by bytes); the quiet steps give the layers' slope free of the output's
-    far larger read, which would bury it.
+    ``seconds`` are whole tokens as served; ``quiet`` the same steps without logits, where llama.cpp computes
+    nearly nothing (no output layer, and the layers' work is skipped too): their time is the fixed cost of a step
+    on this node (round trips, dispatch, the coordinator's own work). The slope comes from the whole tokens of
+    the two depths; what is left of a whole token at the low depth is the output layer's cost on this node (its
+    read, the logits it sends, their sampling), measured on the same loaded layers instead of scaled by bytes.
     """
     low, high = depths
-    output = max(0.0, statistics.fmean(seconds) - statistics.fmean(quiet))
-    if high > low:
-        layer_bytes = sum(model.layer_bytes[low:high])
-        per_byte = max(0.0, (quiet[1] - quiet[0]) / layer_bytes) if layer_bytes else 0.0
-        fixed = max(0.0, quiet[0] - per_byte * sum(model.layer_bytes[:low]))
-    else:
-        # One depth only: no slope to fit, so charge it all to the layers (never favours this node).
-        per_byte = quiet[0] / max(1, sum(model.layer_bytes[:low]))
-        fixed = 0.0
+    fixed = quiet[0]
+    # Decode reads every byte once: the whole token less its fixed cost, per byte of layers and output. Quantized
+    # layers cost at least that per byte; it is the floor of a slope that a noisy difference would put lower.
+    floor = max(0.0, seconds[0] - fixed) / max(1, sum(model.layer_bytes[:low]) + model.output_bytes)
+    layer_bytes = sum(model.layer_bytes[low:high])
+    slope = (seconds[1] - seconds[0]) / layer_bytes if high > low and layer_bytes else 0.0
+    per_byte = max(floor, slope)
+    output = max(0.0, seconds[0] - fixed - per_byte * sum(model.layer_bytes[:low]))
     return NodeProfile(fixed_s=fixed, seconds_per_byte=per_byte, measured_at=time.time(), samples=samples,
                        output_s=output)
 
