@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import big_model
 
 from core.engine.coordinator import CoordinatorConfig
-from core.engine.profile import WARMUP_TOKENS, ProfileCache, Target, measure, profile_key
+from core.engine.profile import ProfileCache, Target, measure, profile_key
+from core.engine.timing import WARMUP_TOKENS
 from core.model import ModelFacts, read_model
 from core.nodes.build import BASE_FLAGS, cache_dir, pinned_version, worker_binary, worker_source
 from core.planner import (

@@ -10,22 +10,18 @@ One extra run with two nodes separates the coordinator's share, so that a plan o
 once. All nodes load at once; their timed steps run one node at a time. Results are cached per (node, model,
 build) and re-measured on request.
 
-The timed runs happen in a child process (``python -m core.engine.profile``) for the same reason the
+The timed runs happen in child processes (``python -m core.engine.timing``) for the same reason the
 coordinator is one: llama.cpp aborts when a worker goes away.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import codecs
 import contextlib
 import hashlib
 import json
 import math
 import os
-import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -33,15 +29,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from core.engine import child
-from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
-from core.engine.protocol import Token
+from core.engine.timing import TIMED_TOKENS, Layout
 from core.errors import ProfileError
 from core.gguf_layout import read_layout, write_cut
 from core.model import ModelFacts
-from core.planner import DEPTHS, PROFILE_BATCH, PROFILE_CONTEXT, NodeSpeed, depths_for, split_for_counts
+from core.planner import DEPTHS, NodeSpeed, depths_for
 
-WARMUP_TOKENS = 4      # first decode steps allocate and warm caches
-TIMED_TOKENS = 64
 JOB_TIMEOUT_S = 120.0  # one load and its timed steps; a big model over a slow link takes a while
 
 
@@ -58,14 +51,6 @@ class NodeProfile:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the cache and `status --json`."""
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A model file and how many of its layers each endpoint holds."""
-
-    model: str
-    counts: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -328,7 +313,7 @@ class _JobChild:
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self, log: IO[bytes]) -> None:
-        self.process = await child.start("core.engine.profile", json.dumps(self.config), log, stdin=True)
+        self.process = await child.start("core.engine.timing", json.dumps(self.config), log, stdin=True)
 
     async def answer(self, key: str, log_path: Path) -> dict[str, Any]:
         """The child's next protocol line that carries ``key``."""
@@ -354,102 +339,3 @@ class _JobChild:
         if self.process is not None and self.process.returncode is None:
             self.process.kill()
             await self.process.wait()
-
-
-# --- the child process --------------------------------------------------------------------------------
-
-
-class _Run:
-    """One layout loaded in the child, stepping exactly as the coordinator does per token."""
-
-    def __init__(self, layout: Layout, threads: int) -> None:
-        import llama_cpp
-
-        self._lib = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=layout.model, n_gpu_layers=-1,
-                                   tensor_split=list(split_for_counts(layout.counts)), n_ctx=PROFILE_CONTEXT,
-                                   n_batch=PROFILE_BATCH, n_ubatch=PROFILE_BATCH,
-                                   n_threads=threads, n_threads_batch=threads, flash_attn=FLASH_ATTENTION,
-                                   verbose=False)
-        self.n_vocab = self.llm.n_vocab()
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.llm.eval([self.llm.token_bos()])
-        self.current = last_logits(self._lib, self.llm, self.n_vocab)
-        self.token = self.llm.token_bos()
-        self._batch = llama_cpp.llama_batch_init(1, 0, 1)
-
-    def close(self) -> None:
-        """Free the batch and the model."""
-        self._lib.llama_batch_free(self._batch)
-        self.llm.close()
-
-    def quiet_step(self) -> float:
-        """Seconds of one decode step that asks for no logits: llama.cpp then computes no output layer."""
-        started = time.perf_counter()
-        batch = self._batch
-        batch.n_tokens = 1
-        batch.token[0], batch.pos[0], batch.n_seq_id[0] = self.token, self.llm.n_tokens, 1
-        batch.seq_id[0][0], batch.logits[0] = 0, False
-        if self._lib.llama_decode(self.llm.ctx, batch) != 0:
-            raise RuntimeError("a decode step without logits failed")
-        self.llm.n_tokens += 1
-        return time.perf_counter() - started
-
-    def step(self, out: IO[str]) -> float:
-        """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
-        started = time.perf_counter()
-        token = self.token = choose_token(self.current, 0.0, None)
-        emit(out, Token(0, token, self.decoder.decode(self.llm.detokenize([token]))))  # as the coordinator does
-        self.llm.eval([token])
-        self.current = last_logits(self._lib, self.llm, self.n_vocab)
-        return time.perf_counter() - started
-
-
-def time_runs(runs: Sequence[_Run], warmup: int, tokens: int,
-              out: IO[str]) -> tuple[list[list[float]], list[list[float]]]:
-    """Seconds of each timed decode step of each loaded layout, taken in turn (runs in the child): whole tokens,
-    and after each one the same step without logits.
-
-    A whole step does what the coordinator does per token, writing the same event to ``out``, so that the
-    measured time is the time a token costs when the cluster serves.
-    """
-    steps: list[list[float]] = [[] for _ in runs]
-    quiet: list[list[float]] = [[] for _ in runs]
-    for index in range(warmup + tokens):
-        for run, record, quiet_record in zip(runs, steps, quiet, strict=True):
-            seconds, quiet_seconds = run.step(out), run.quiet_step()
-            if index >= warmup:
-                record.append(seconds)
-                quiet_record.append(quiet_seconds)
-    return steps, quiet
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the profiling child: loads its job's layouts and says ``{"loaded": true}``, waits for a line
-    on stdin, then times them and says ``{"seconds": [...]}``; ``{"error"}`` when it cannot."""
-    parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
-    parser.add_argument("config", help='{"endpoints": [...], "job": [{"model", "counts"}, ...], "threads"}')
-    config = json.loads(parser.parse_args(argv).config)
-    runs: list[_Run] = []
-    try:
-        register_rpc_servers(tuple(config["endpoints"]))
-        threads = int(config.get("threads", 1))
-        runs += [_Run(Layout(layout["model"], tuple(layout["counts"])), threads) for layout in config["job"]]
-        print(json.dumps({"loaded": True}), flush=True)
-        sys.stdin.readline()
-        steps, quiet = time_runs(runs, int(config.get("warmup", WARMUP_TOKENS)),
-                                 int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
-        # The mean, not the median: a node that is slow in bursts (shared, throttled) pays for each one.
-        print(json.dumps({"seconds": [statistics.fmean(record) for record in steps],
-                          "quiet": [statistics.fmean(record) for record in quiet]}), flush=True)
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
-        return 1
-    finally:
-        for run in runs:
-            run.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The profiler's child process: a job's layouts loaded on their workers, and their decode steps timed.
+
+Started by core.engine.profile (``python -m core.engine.timing CONFIG``), one per job, apart from the controller
+because llama.cpp aborts when a worker goes away. It loads, says so, waits to be released (so that jobs load at
+once but are timed one at a time), then times every layout in turn and answers with the mean seconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
+from core.engine.protocol import Token
+from core.planner import PROFILE_BATCH, PROFILE_CONTEXT, split_for_counts
+
+WARMUP_TOKENS = 4  # first decode steps allocate and warm caches
+TIMED_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A model file and how many of its layers each endpoint holds."""
+
+    model: str
+    counts: tuple[int, ...]
+
+
+class TimedRun:
+    """One layout loaded in the child, stepping exactly as the coordinator does per token."""
+
+    def __init__(self, layout: Layout, threads: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=layout.model, n_gpu_layers=-1,
+                                   tensor_split=list(split_for_counts(layout.counts)), n_ctx=PROFILE_CONTEXT,
+                                   n_batch=PROFILE_BATCH, n_ubatch=PROFILE_BATCH,
+                                   n_threads=threads, n_threads_batch=threads, flash_attn=FLASH_ATTENTION,
+                                   verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.llm.eval([self.llm.token_bos()])
+        self.current = last_logits(self._lib, self.llm, self.n_vocab)
+        self.token = self.llm.token_bos()
+        self._batch = llama_cpp.llama_batch_init(1, 0, 1)
+
+    def close(self) -> None:
+        """Free the batch and the model."""
+        self._lib.llama_batch_free(self._batch)
+        self.llm.close()
+
+    def quiet_step(self) -> float:
+        """Seconds of one decode step that asks for no logits: llama.cpp then computes (nearly) nothing, so this is
+        the step's fixed cost (round trips, dispatch, the coordinator's own work)."""
+        started = time.perf_counter()
+        batch = self._batch
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0] = self.token, self.llm.n_tokens, 1
+        batch.seq_id[0][0], batch.logits[0] = 0, False
+        if self._lib.llama_decode(self.llm.ctx, batch) != 0:
+            raise RuntimeError("a decode step without logits failed")
+        self.llm.n_tokens += 1
+        return time.perf_counter() - started
+
+    def step(self, out: IO[str]) -> float:
+        """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
+        started = time.perf_counter()
+        token = self.token = choose_token(self.current, 0.0, None)
+        emit(out, Token(0, token, self.decoder.decode(self.llm.detokenize([token]))))  # as the coordinator does
+        self.llm.eval([token])
+        self.current = last_logits(self._lib, self.llm, self.n_vocab)
+        return time.perf_counter() - started
+
+
+def time_runs(runs: Sequence[TimedRun], warmup: int, tokens: int,
+              out: IO[str]) -> tuple[list[list[float]], list[list[float]]]:
+    """Seconds of each timed decode step of each loaded layout, taken in turn (runs in the child): whole tokens,
+    and after each one the same step without logits.
+
+    A whole step does what the coordinator does per token, writing the same event to ``out``, so that the
+    measured time is the time a token costs when the cluster serves.
+    """
+    steps: list[list[float]] = [[] for _ in runs]
+    quiet: list[list[float]] = [[] for _ in runs]
+    for index in range(warmup + tokens):
+        for run, record, quiet_record in zip(runs, steps, quiet, strict=True):
+            seconds, quiet_seconds = run.step(out), run.quiet_step()
+            if index >= warmup:
+                record.append(seconds)
+                quiet_record.append(quiet_seconds)
+    return steps, quiet
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the profiling child: loads its job's layouts and says ``{"loaded": true}``, waits for a line
+    on stdin, then times them and says ``{"seconds": [...]}``; ``{"error"}`` when it cannot."""
+    parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
+    parser.add_argument("config", help='{"endpoints": [...], "job": [{"model", "counts"}, ...], "threads"}')
+    config = json.loads(parser.parse_args(argv).config)
+    runs: list[TimedRun] = []
+    try:
+        register_rpc_servers(tuple(config["endpoints"]))
+        threads = int(config.get("threads", 1))
+        runs += [TimedRun(Layout(layout["model"], tuple(layout["counts"])), threads) for layout in config["job"]]
+        print(json.dumps({"loaded": True}), flush=True)
+        sys.stdin.readline()
+        steps, quiet = time_runs(runs, int(config.get("warmup", WARMUP_TOKENS)),
+                                 int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
+        # The mean, not the median: a node that is slow in bursts (shared, throttled) pays for each one.
+        print(json.dumps({"seconds": [statistics.fmean(record) for record in steps],
+                          "quiet": [statistics.fmean(record) for record in quiet]}), flush=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    finally:
+        for run in runs:
+            run.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
