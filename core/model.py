@@ -77,7 +77,11 @@ class ModelFacts:
         batch = min(context, batch)
         caches = 2 if self.sliding_window else 1
         size = int(batch * 4 * (4 * self.n_ff + 4.3 * self.n_embd)) + batch * 8 * context * caches
-        return size + (batch * self.logits_bytes if last else 0)
+        return size + (self.logits_buffer_bytes(context, batch) if last else 0)
+
+    def logits_buffer_bytes(self, context: int, batch: int = BATCH) -> int:
+        """The logits of a whole micro-batch, which llama.cpp reserves on the last device."""
+        return min(context, batch) * self.logits_bytes
 
 
 def read_model(path: Path) -> ModelFacts:

@@ -413,7 +413,7 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
 def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None) -> str:
     """What the output layer costs the node that holds it: its weights, its logits buffer, its time per token."""
     matrix = "the tied token embeddings" if model.tied_output else "output.weight"
-    logits = model.compute_bytes(context, last=True) - model.compute_bytes(context, last=False)
+    logits = model.logits_buffer_bytes(context)
     timed = f", {speed.output_s * 1000:.2f} ms/token" if speed is not None and math.isfinite(speed.output_s) else ""
     return (f"holds the output layer ({matrix}): {mib(model.output_bytes)} and a {mib(logits)} logits buffer"
             f"{timed}, and sends {model.logits_bytes / 1024:.0f} KiB of logits per token")

@@ -323,10 +323,12 @@ class _JobChild:
                 answer = json.loads(line)
             except json.JSONDecodeError:
                 continue  # not ours: llama.cpp writes to stdout on some paths
+            if not isinstance(answer, dict):
+                continue
             if "error" in answer:
                 raise ProfileError(f"profiling failed: {answer['error']}", f"see {log_path}")
             if key in answer:
-                return dict(answer)
+                return answer
         code = await self.process.wait()
         raise ProfileError(f"the profiler exited with {code} before it was done (a worker went away?)",
                            f"see {log_path}")
