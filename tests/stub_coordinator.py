@@ -34,8 +34,8 @@ from core.engine.protocol import (
     decode_request,
     encode,
 )
+from core.model import BATCH  # the prompt batch the real coordinator evaluates in
 
-BATCH = 512
 _OUT = threading.Lock()
 
 

@@ -162,16 +162,21 @@ def test_ctrl_c_during_up_stops_what_it_started_and_the_next_up_works(short_tmp:
     assert gone(cluster)
 
 
+def kill_up_once_the_controller_starts(cluster: Cluster) -> None:
+    """`up` killed (as by Ctrl-C twice) as soon as the controller it started has written its pid."""
+    up = cluster.popen("up")
+    wait_for((cluster.state / "controller.pid").exists, what="the controller")
+    up.kill()
+    up.communicate(timeout=30)
+
+
 def test_down_as_the_controller_starts_its_nodes_leaves_no_worker_behind(short_tmp: Path) -> None:
     """`down` (or Ctrl-C of `up`) can reach the controller while it is starting its workers: a start still
     under way must not outlive the stop. Sent on the raw socket the moment it opens (the CLI takes longer
     to load), with the `up` that started the controller gone, whose clean-up would mask it."""
     cluster = Cluster(short_tmp, nodes=2)
     try:
-        up = cluster.popen("up")
-        wait_for((cluster.state / "controller.pid").exists, what="the controller")
-        up.kill()
-        up.communicate(timeout=30)
+        kill_up_once_the_controller_starts(cluster)
         answer = None
         while answer is None:  # the socket's file appears a moment before it listens
             with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
@@ -186,10 +191,7 @@ def test_down_as_the_controller_starts_its_nodes_leaves_no_worker_behind(short_t
 def test_killed_up_is_finished_by_the_next_up(short_tmp: Path) -> None:
     cluster = Cluster(short_tmp, nodes=2)
     try:
-        up = cluster.popen("up")
-        wait_for((cluster.state / "controller.pid").exists, what="the controller")
-        up.kill()
-        up.communicate(timeout=30)
+        kill_up_once_the_controller_starts(cluster)
         again = cluster.cli("up")  # waits for the controller the killed `up` left starting
         assert "ready: 2 worker(s)" in again.stderr
         assert json.loads(cluster.cli("run", PROMPT, "-n", "4", "--json").stdout)["completion_tokens"] == 4

@@ -28,7 +28,7 @@ from core.model import ModelFacts, read_model
 from core.planner import RESERVE_FRACTION, RESERVE_MIN_BYTES, NodeCapacity, depths_for, device_bytes
 from tests.harness import CLI, Cluster
 from tests.realmodel import real_model
-from tests.sshd import SSHD, SshWorld
+from tests.sshd import NEEDS_SSHD, SshWorld, running_world
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -45,8 +45,6 @@ WIDE_CHAR = "\U00020bb7"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT_TOKENS = 16
 
-NO_SSHD = pytest.mark.skipif(not Path(SSHD).exists() and not os.environ.get("CI"),
-                             reason="OpenSSH sshd is not installed here (.ci/run installs it)")
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +100,13 @@ def reference(llm: Any, prompt: str | list[int], tokens: int) -> str:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[SshWorld]:
-    root = Path(tempfile.mkdtemp(prefix="gcrs-", dir="/tmp"))
-    world = SshWorld(root, nodes=2)
-    yield world
-    world.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    yield from running_world("gcrs-", 2)
 
 
 VARIANTS = [pytest.param(("local", "memory"), id="local-memory"),
             pytest.param(("local", "compute"), id="local-compute"),
-            pytest.param(("ssh", "memory"), id="ssh-memory", marks=NO_SSHD),
-            pytest.param(("ssh", "compute"), id="ssh-compute", marks=NO_SSHD)]
+            pytest.param(("ssh", "memory"), id="ssh-memory", marks=NEEDS_SSHD),
+            pytest.param(("ssh", "compute"), id="ssh-compute", marks=NEEDS_SSHD)]
 
 
 def halving_caps(facts: ModelFacts) -> list[int]:

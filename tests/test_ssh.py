@@ -18,22 +18,15 @@ import pytest
 from core.nodes.build import build_key, pinned_version
 from core.state import PidRecord, process_start
 from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
-from tests.sshd import SSHD, SshWorld, keygen
+from tests.sshd import NEEDS_SSHD, SshWorld, keygen, running_world
 from tests.test_cluster import PROMPT, single_process
 
-# Skipped only on a developer machine without sshd; in CI (.ci/run installs it) a missing sshd fails instead.
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900),
-              pytest.mark.skipif(not Path(SSHD).exists() and not os.environ.get("CI"),
-                                 reason="OpenSSH sshd is not installed here (.ci/run installs it)")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), NEEDS_SSHD]
 
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[SshWorld]:
-    root = Path(tempfile.mkdtemp(prefix="gcs-", dir="/tmp"))
-    world = SshWorld(root, nodes=3)
-    yield world
-    world.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    yield from running_world("gcs-", 3)
 
 
 def ssh_lines(world: SshWorld, index: int, **override: str) -> list[str]:
