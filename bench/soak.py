@@ -21,6 +21,7 @@ corrupted (text or token count differs), whether every request after a cancelled
 recoveries, and the time from each fault to the next token the client saw.
 
     .venv/bin/python bench/soak.py [--requests 200] [--fault-every 5] [--tokens 32] [--nodes ssh|local]
+        [--model PATH|real]
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from parity import model_argument
 
 from core import client
 from core.errors import ClusterError
@@ -194,8 +198,10 @@ def main() -> None:
     parser.add_argument("--nodes", choices=["ssh", "local"], default="ssh")
     parser.add_argument("--spacing", type=float, default=16.0, help="seconds before a worker is faulted again")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--model", type=model_argument, default=None,
+                        help="a GGUF, or 'real': the tests' Gemma 3 270M Q4_K_M (default: the synthetic 180 MB model)")
     args = parser.parse_args()
-    model = big_model()
+    model = args.model or big_model()
     prompts = [*PROMPTS, LONG_PROMPT] if args.long_every else PROMPTS
     alone = {prompt: single_process(str(model), prompt, args.tokens) for prompt in PROMPTS}
     root = Path(tempfile.mkdtemp(prefix="bench-soak-", dir="/tmp"))
