@@ -100,6 +100,29 @@ class Done:
 
 
 @dataclass(frozen=True)
+class ComputeFailed:
+    """A worker reported a failed graph compute on a reply (patched workers); the coordinator retries the step."""
+
+    endpoint: str
+    device: int
+    status: int
+    failures: int
+    attempt: int
+    id: int | None = None
+    persistent: bool = False
+
+
+@dataclass(frozen=True)
+class ComputeRetried:
+    """The retried step succeeded."""
+
+    endpoint: str
+    attempts: int
+    retry_ms: float
+    id: int | None = None
+
+
+@dataclass(frozen=True)
 class Exited:
     """The process ended with ``code`` (noted by the controller, with ``cause`` when it killed it)."""
 
@@ -108,11 +131,12 @@ class Exited:
 
 
 Request = Generate | Cancel | Shutdown
-Answer = Ready | Failed | PromptTokens | Progress | Token | Done | Exited
+Answer = Ready | Failed | PromptTokens | Progress | Token | Done | ComputeFailed | ComputeRetried | Exited
 
 _REQUESTS: dict[str, type[Request]] = {"generate": Generate, "cancel": Cancel, "shutdown": Shutdown}
 _ANSWERS: dict[str, type[Answer]] = {"ready": Ready, "error": Failed, "prompt": PromptTokens, "progress": Progress,
-                                     "token": Token, "done": Done, "exit": Exited}
+                                     "token": Token, "done": Done, "compute_failed": ComputeFailed,
+                                     "compute_retried": ComputeRetried, "exit": Exited}
 _NAMES = {kind: name for table in (_REQUESTS, _ANSWERS) for name, kind in table.items()}
 
 
