@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 import time
@@ -14,16 +15,18 @@ import pytest
 from core.errors import DeployError
 from core.nodes.build import (
     CACHE_ENV,
+    WorkerBinary,
     build_key,
-    cache_dir,
     cached_worker,
     failure_reason,
     parse_progress,
     parse_protocol,
     pinned_version,
     worker_binary,
+    worker_source,
 )
 from core.nodes.deploy import LEASE_MARKER, node_lock
+from core.nodes.patches import patches_digest
 from core.nodes.remote import LocalRemote
 from core.state import PidRecord
 from core.version import Version
@@ -48,9 +51,11 @@ def test_progress_lines() -> None:
     assert parse_progress("-- Configuring done") is None
 
 
-def test_key_names_version_os_arch_backend() -> None:
-    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == "0.3.36-linux-x86_64-cuda"
-    assert build_key("0.3.36", "metal", "Darwin", "arm64") == "0.3.36-darwin-arm64-metal"
+def test_key_names_version_flavour_os_arch_backend() -> None:
+    digest = patches_digest()
+    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda"
+    assert build_key("0.3.36", "metal", "Darwin", "arm64") == f"0.3.36-p{digest}-darwin-arm64-metal"
+    assert build_key("0.3.36", "cpu", "Linux", "x86_64", stock=True) == "0.3.36-stock-linux-x86_64-cpu"
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -61,9 +66,14 @@ def test_unknown_backend_is_refused() -> None:
 @pytest.mark.integration
 def test_cached_worker_matches_the_pinned_coordinator() -> None:
     binary = worker_binary("cpu")
-    assert binary.path.is_file() and binary.key.startswith(pinned_version() + "-")
+    assert binary.path.is_file() and binary.key.startswith(f"{pinned_version()}-p{patches_digest()}-")
     assert binary.protocol == Version(7, 0, 0)
+    assert manifest(binary)["patches"] == patches_digest()
     assert worker_binary("cpu") == binary  # second call: from the cache
+
+
+def manifest(binary: WorkerBinary) -> dict[str, object]:
+    return json.loads((binary.path.parent / "manifest.json").read_text())
 
 
 @pytest.fixture
@@ -80,8 +90,8 @@ def small_disk_28m() -> Iterator[Path]:
 @pytest.mark.integration
 def test_a_full_disk_during_the_build_is_a_clear_error_and_nothing_half_built_is_kept(
         small_disk_28m: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = cache_dir() / "src" / f"worker-{pinned_version()}"
     worker_binary("cpu")  # makes sure the source is there to copy
+    source = worker_source(pinned_version(), lambda _message, _fraction: None)
     shutil.copytree(source, small_disk_28m / "src" / source.name)
     monkeypatch.setenv(CACHE_ENV, str(small_disk_28m))
     with pytest.raises(DeployError, match="the disk is full") as caught:
