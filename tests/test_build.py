@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from core.engine.coordinator import LIB_PATH_ENV
 from core.errors import DeployError
 from core.nodes.build import (
     CACHE_ENV,
@@ -30,7 +35,8 @@ from core.nodes.patches import patches_digest
 from core.nodes.remote import LocalRemote
 from core.state import PidRecord
 from core.version import Version
-from tests.harness import FIXTURES, alive, small_disk
+from tests.harness import FIXTURES, alive, free_port, listening, small_disk
+from tests.stock import installed_libdir, stock_client_libdir, stock_worker
 
 HEADER = """#pragma once
 #define RPC_PROTO_MAJOR_VERSION    7
@@ -74,6 +80,49 @@ def test_cached_worker_matches_the_pinned_coordinator() -> None:
 
 def manifest(binary: WorkerBinary) -> dict[str, object]:
     return json.loads((binary.path.parent / "manifest.json").read_text())
+
+
+@pytest.mark.integration
+def test_a_stock_worker_builds_apart_from_the_patched_one() -> None:
+    stock, patched = stock_worker(), worker_binary("cpu")
+    assert stock.key == build_key(pinned_version(), "cpu", stock=True) != patched.key
+    assert stock.path != patched.path and stock.path.is_file()
+    assert manifest(stock)["patches"] == "stock" and stock.protocol == Version(7, 0, 0)
+    assert cached_worker("cpu", stock=True) == stock
+
+
+# Registers a worker as the coordinator does, then prints the files of every libggml-rpc mapped in the process.
+MAPPED_RPC = """import pathlib, sys
+from core.engine.coordinator import register_rpc_servers
+register_rpc_servers((sys.argv[1],))
+maps = pathlib.Path("/proc/self/maps").read_text().splitlines()
+print("\\n".join(sorted({line.split()[-1] for line in maps if "libggml-rpc" in line})))
+"""
+
+
+@pytest.mark.integration
+def test_a_stock_rpc_client_library_folder_for_llama_cpp_python() -> None:
+    """The installed libraries with a stock libggml-rpc: it loads and exports the client's entry point; with
+    LLAMA_CPP_LIB_PATH naming the folder, llama-cpp-python and the coordinator load it (and not the installed
+    one) and register a stock worker with it."""
+    libdir = stock_client_libdir()
+    assert sorted(path.name for path in libdir.iterdir()) == sorted(path.name for path in installed_libdir().iterdir())
+    assert ctypes.CDLL(str(libdir / "libggml-rpc.so.0")).ggml_backend_rpc_add_server
+    port = free_port()
+    worker = subprocess.Popen([str(stock_worker().path), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not listening(port):
+            assert time.monotonic() < deadline, "the stock worker did not listen"
+            time.sleep(0.05)
+        mapped = subprocess.run([sys.executable, "-c", MAPPED_RPC, f"127.0.0.1:{port}"],
+                                env={**os.environ, LIB_PATH_ENV: str(libdir)}, capture_output=True, text=True,
+                                check=True, timeout=60).stdout.split()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert mapped == [str(libdir / "libggml-rpc.so.0")]
 
 
 @pytest.fixture
