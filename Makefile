@@ -5,11 +5,12 @@ BIN := $(VENV)/bin
 LLAMA_CPP_PYTHON := 0.3.36
 CACHE := $(or $(GGML_CLUSTER_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ggml-cluster)
 SDIST := $(CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
-# llama-cpp-python built with the RPC backend and the RPC client's tensor-cache threshold lowered from 10 MiB
-# to 1 MiB (workers cache what the client flags, so stock workers work with it, and it with stock workers);
-# keyed so that a build without both is never reused.
-WHEELS := $(CACHE)/wheels/rpc-cache1m-$(LLAMA_CPP_PYTHON)
-RPC_CPP := vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp
+# Our patches on the vendored llama.cpp (README: Patches on llama.cpp), in name order; their digest is computed
+# as core/nodes/patches.py computes it, and keys the wheel so that a build without them is never reused.
+PATCHES := $(sort $(wildcard patches/*.patch))
+PATCH_KEY := $(shell cat $(PATCHES) /dev/null | sha256sum | cut -c1-12)
+# llama-cpp-python built with the RPC backend and the patches.
+WHEELS := $(CACHE)/wheels/rpc-$(PATCH_KEY)-$(LLAMA_CPP_PYTHON)
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time, the cluster
 
@@ -18,28 +19,33 @@ PROMPT ?= Once upon a time, the cluster
 setup: $(STAMP)
 
 system-deps:
-	@missing=""; for tool in cmake g++ make; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	@missing=""; for tool in cmake g++ make git; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
 	$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make ninja-build python3-venv >/dev/null; \
-	  else echo "missing:$$missing — install them (Debian/Ubuntu: sudo apt-get install cmake g++ make python3-venv)"; exit 1; fi; \
+	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make git ninja-build python3-venv >/dev/null; \
+	  else echo "missing:$$missing — install them (Debian/Ubuntu: sudo apt-get install cmake g++ make git python3-venv)"; exit 1; fi; \
 	fi
 
 $(SDIST):
 	@mkdir -p $(CACHE)/src
 	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CACHE)/src
 
-$(STAMP): pyproject.toml Makefile | system-deps $(SDIST)
+$(STAMP): pyproject.toml Makefile $(PATCHES) | system-deps $(SDIST)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl >/dev/null 2>&1 || \
 	    ! $(BIN)/pip install --quiet --force-reinstall --no-index --find-links $(WHEELS) --no-deps \
 	      llama-cpp-python==$(LLAMA_CPP_PYTHON); then \
-	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) with -DGGML_RPC=ON (about 5 minutes on 2 cores)"; \
+	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) with -DGGML_RPC=ON and the patches (about 5 minutes on 2 cores)"; \
 	  tree=$$(mktemp -d) && tar -xzf $(SDIST) -C $$tree && source=$$tree/llama_cpp_python-$(LLAMA_CPP_PYTHON) && \
-	  sed -i 's/^const size_t HASH_THRESHOLD = 10 \* 1024 \* 1024;$$/const size_t HASH_THRESHOLD = 1024 * 1024;/' \
-	    $$source/$(RPC_CPP) && grep -q '^const size_t HASH_THRESHOLD = 1024 \* 1024;$$' $$source/$(RPC_CPP) && \
+	  for patch in $(abspath $(PATCHES)); do \
+	    name=patches/$$(basename $$patch); echo "applying $$name"; \
+	    ( cd $$source/vendor/llama.cpp && unset GIT_DIR GIT_WORK_TREE && export GIT_CEILING_DIRECTORIES=$$source && \
+	      git apply --check -p1 --whitespace=nowarn $$patch && git apply -p1 --whitespace=nowarn $$patch ) || \
+	    { echo "$$name no longer applies to llama-cpp-python $(LLAMA_CPP_PYTHON): update it for the new source"; \
+	      rm -rf $$tree; exit 1; }; \
+	  done && \
 	  CMAKE_ARGS="-DGGML_RPC=ON" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir $$source -w $(WHEELS) && \
 	  rm -rf $$tree && $(BIN)/pip install --quiet --force-reinstall --no-index --find-links $(WHEELS) --no-deps \
 	    llama-cpp-python==$(LLAMA_CPP_PYTHON); \

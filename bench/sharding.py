@@ -50,6 +50,7 @@ from core.engine.profile import ProfileCache, Target, measure, profile_key
 from core.engine.timing import WARMUP_TOKENS
 from core.model import ModelFacts, read_model
 from core.nodes.build import BASE_FLAGS, cache_dir, pinned_version, worker_binary, worker_source
+from core.nodes.patches import flavour
 from core.planner import (
     NodeCapacity,
     NodeSpeed,
@@ -140,7 +141,7 @@ def baseline_worker() -> Path:
     A real slower machine, uniformly slower per layer; built once (about a minute) and cached.
     """
     version = pinned_version()
-    build = cache_dir() / "build" / f"bench-baseline-{version}"
+    build = cache_dir() / "build" / f"bench-baseline-{version}-{flavour()}"  # the patches, as every build
     binary = build / "ggml-rpc-server"
     if binary.is_file():
         return binary

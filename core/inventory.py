@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from core.errors import InventoryError
-from core.inventory_errors import SHORT, Locator, unconstructible, validate
+from core.inventory_errors import SHORT, Locator, shown_key, unconstructible, validate
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
 # Users and hosts reach ssh's own config expansion (ProxyCommand's %r and %h run through a shell), so they
@@ -66,6 +66,31 @@ def _too_large(value: object) -> str:
     return f"{SHORT.repr(value)} is more than 1 EiB (2**60 bytes); write the node's memory like 6GiB or 512MiB"
 
 
+ENV_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*"
+# Set by ggml-cluster itself on the worker (its tensor cache): a node's env may not change it.
+RESERVED_ENV = frozenset({"LLAMA_CACHE"})
+
+
+def _environment(value: object) -> object:
+    """A node's ``env:``: variable names to text values, as the worker process gets them."""
+    if not isinstance(value, dict):
+        return value  # pydantic's own "expected a mapping"
+    for name, text in value.items():
+        if not isinstance(name, str) or not re.fullmatch(ENV_NAME_PATTERN, name):
+            raise ValueError(f"{SHORT.repr(name)} is not an environment variable name: use letters, digits and "
+                             "'_', not starting with a digit")
+        shown = shown_key(name)  # a valid name may still be too long for a one-line message
+        if name in RESERVED_ENV:
+            raise ValueError(f"{shown} is set by ggml-cluster (the worker's tensor cache); remove it")
+        if not isinstance(text, str):
+            quote = "; quote it" if isinstance(text, int | float) else ""  # YAML reads 0 or 1.5 as a number
+            raise ValueError(f"{shown}: expected text, got {SHORT.repr(text)}{quote}")
+        # The command that holds it is read back line by line to adopt a running worker.
+        if not text.isprintable():
+            raise ValueError(f"{shown}: {SHORT.repr(text)} holds an unprintable character (a newline, a tab, NUL, …)")
+    return value
+
+
 def _no_nul(value: object) -> object:
     if isinstance(value, str) and "\0" in value:
         raise ValueError("a path cannot contain a NUL character")
@@ -82,6 +107,7 @@ Backend = Literal["auto", "cpu", "cuda", "rocm", "vulkan", "metal"]
 Strategy = Literal["compute", "memory", "equal"]
 Objective = Literal["latency", "throughput"]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
+Environment = Annotated[dict[str, str], BeforeValidator(_environment)]
 # llama-cpp-python's built-in chat formats: those that render a prompt (its function-calling handlers generate by
 # themselves and are not formats). tests/test_coordinator.py checks the list against the pinned llama-cpp-python.
 CHAT_FORMATS = ("alpaca", "baichuan", "baichuan-2", "chatglm3", "chatml", "gemma", "intel", "llama-2", "llama-3",
@@ -119,6 +145,7 @@ class NodeDefaults(_Frozen):
     build: Build | None = None
     host_key: Literal["strict", "accept-new"] | None = None
     labels: dict[str, str] | None = None
+    env: Environment | None = None
 
 
 class Node(_Frozen):
@@ -139,6 +166,9 @@ class Node(_Frozen):
     build: Build = "auto"
     host_key: Literal["strict", "accept-new"] = "strict"
     labels: dict[str, str] = Field(default_factory=dict)
+    # The worker process's environment (CUDA_VISIBLE_DEVICES, GGML_RPC_DEBUG, …): part of its command line,
+    # so a change restarts it.
+    env: Environment = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _host_for_kind(self) -> Node:
@@ -299,8 +329,9 @@ def _build(raw: dict[str, Any], source: str, locate: Locator) -> Inventory:
         if not isinstance(raw_node, dict):
             raise InventoryError(locate.at(where, "each node must be a mapping with at least 'name'"))
         merged = {**set_defaults, **raw_node}
-        if "labels" in set_defaults and "labels" in raw_node and isinstance(raw_node["labels"], dict):
-            merged["labels"] = {**set_defaults["labels"], **raw_node["labels"]}
+        for mapping in ("labels", "env"):  # merged per key, the node's own winning
+            if mapping in set_defaults and mapping in raw_node and isinstance(raw_node[mapping], dict):
+                merged[mapping] = {**set_defaults[mapping], **raw_node[mapping]}
         nodes.append(validate(Node, merged, where, locate, raw_node.get("name")))
     _check_unique(nodes, locate)
     top = {key: value for key, value in raw.items() if key not in ("defaults", "nodes")}

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -11,23 +16,27 @@ from pathlib import Path
 
 import pytest
 
+from core.engine.coordinator import LIB_PATH_ENV
 from core.errors import DeployError
 from core.nodes.build import (
     CACHE_ENV,
+    WorkerBinary,
     build_key,
-    cache_dir,
     cached_worker,
     failure_reason,
     parse_progress,
     parse_protocol,
     pinned_version,
     worker_binary,
+    worker_source,
 )
 from core.nodes.deploy import LEASE_MARKER, node_lock
+from core.nodes.patches import patches_digest
 from core.nodes.remote import LocalRemote
 from core.state import PidRecord
 from core.version import Version
-from tests.harness import FIXTURES, alive, small_disk
+from tests.harness import FIXTURES, alive, free_port, listening, small_disk
+from tests.stock import installed_libdir, stock_client_libdir, stock_worker
 
 HEADER = """#pragma once
 #define RPC_PROTO_MAJOR_VERSION    7
@@ -48,9 +57,11 @@ def test_progress_lines() -> None:
     assert parse_progress("-- Configuring done") is None
 
 
-def test_key_names_version_os_arch_backend() -> None:
-    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == "0.3.36-linux-x86_64-cuda"
-    assert build_key("0.3.36", "metal", "Darwin", "arm64") == "0.3.36-darwin-arm64-metal"
+def test_key_names_version_flavour_os_arch_backend() -> None:
+    digest = patches_digest()
+    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda"
+    assert build_key("0.3.36", "metal", "Darwin", "arm64") == f"0.3.36-p{digest}-darwin-arm64-metal"
+    assert build_key("0.3.36", "cpu", "Linux", "x86_64", stock=True) == "0.3.36-stock-linux-x86_64-cpu"
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -61,9 +72,57 @@ def test_unknown_backend_is_refused() -> None:
 @pytest.mark.integration
 def test_cached_worker_matches_the_pinned_coordinator() -> None:
     binary = worker_binary("cpu")
-    assert binary.path.is_file() and binary.key.startswith(pinned_version() + "-")
+    assert binary.path.is_file() and binary.key.startswith(f"{pinned_version()}-p{patches_digest()}-")
     assert binary.protocol == Version(7, 0, 0)
+    assert manifest(binary)["patches"] == patches_digest()
     assert worker_binary("cpu") == binary  # second call: from the cache
+
+
+def manifest(binary: WorkerBinary) -> dict[str, object]:
+    return json.loads((binary.path.parent / "manifest.json").read_text())
+
+
+@pytest.mark.integration
+def test_a_stock_worker_builds_apart_from_the_patched_one() -> None:
+    stock, patched = stock_worker(), worker_binary("cpu")
+    assert stock.key == build_key(pinned_version(), "cpu", stock=True) != patched.key
+    assert stock.path != patched.path and stock.path.is_file()
+    assert manifest(stock)["patches"] == "stock" and stock.protocol == Version(7, 0, 0)
+    assert cached_worker("cpu", stock=True) == stock
+
+
+# Registers a worker as the coordinator does, then prints the files of every libggml-rpc mapped in the process.
+MAPPED_RPC = """import pathlib, sys
+from core.engine.coordinator import register_rpc_servers
+register_rpc_servers((sys.argv[1],))
+maps = pathlib.Path("/proc/self/maps").read_text().splitlines()
+print("\\n".join(sorted({line.split()[-1] for line in maps if "libggml-rpc" in line})))
+"""
+
+
+@pytest.mark.integration
+def test_a_stock_rpc_client_library_folder_for_llama_cpp_python() -> None:
+    """The installed libraries with a stock libggml-rpc: it loads and exports the client's entry point; with
+    LLAMA_CPP_LIB_PATH naming the folder, llama-cpp-python and the coordinator load it (and not the installed
+    one) and register a stock worker with it."""
+    libdir = stock_client_libdir()
+    assert sorted(path.name for path in libdir.iterdir()) == sorted(path.name for path in installed_libdir().iterdir())
+    assert ctypes.CDLL(str(libdir / "libggml-rpc.so.0")).ggml_backend_rpc_add_server
+    port = free_port()
+    worker = subprocess.Popen([str(stock_worker().path), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not listening(port):
+            assert time.monotonic() < deadline, "the stock worker did not listen"
+            time.sleep(0.05)
+        mapped = subprocess.run([sys.executable, "-c", MAPPED_RPC, f"127.0.0.1:{port}"],
+                                env={**os.environ, LIB_PATH_ENV: str(libdir)}, capture_output=True, text=True,
+                                check=True, timeout=60).stdout.split()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert mapped == [str(libdir / "libggml-rpc.so.0")]
 
 
 @pytest.fixture
@@ -80,8 +139,8 @@ def small_disk_28m() -> Iterator[Path]:
 @pytest.mark.integration
 def test_a_full_disk_during_the_build_is_a_clear_error_and_nothing_half_built_is_kept(
         small_disk_28m: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = cache_dir() / "src" / f"worker-{pinned_version()}"
     worker_binary("cpu")  # makes sure the source is there to copy
+    source = worker_source(pinned_version(), lambda _message, _fraction: None)
     shutil.copytree(source, small_disk_28m / "src" / source.name)
     monkeypatch.setenv(CACHE_ENV, str(small_disk_28m))
     with pytest.raises(DeployError, match="the disk is full") as caught:

@@ -60,6 +60,21 @@ BAD = {
                                 "bad.yaml:2: metrics.port: port 8080 is also api.port"),
     "metrics port out of range": ("cluster: a\nmetrics: {port: -1}\nnodes:\n  - name: x\n    kind: local\n",
                                   "metrics.port: -1: input should be greater than or equal to 0"),
+    "env value not text": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    env: {CUDA_VISIBLE_DEVICES: 0}\n",
+                           "bad.yaml:5: nodes[0] (x).env: CUDA_VISIBLE_DEVICES: expected text, got 0; quote it"),
+    "env name": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    env: {1GPU: x}\n",
+                 "bad.yaml:5: nodes[0] (x).env: '1GPU' is not an environment variable name: use letters, digits "
+                 "and '_', not starting with a digit"),
+    "env name with a shell character": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    env: {'A;B': x}\n",
+                                        "nodes[0] (x).env: 'A;B' is not an environment variable name"),
+    "env reserved": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    env: {LLAMA_CACHE: /tmp}\n",
+                     "nodes[0] (x).env: LLAMA_CACHE is set by ggml-cluster (the worker's tensor cache); remove it"),
+    "env newline": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    env: {A: \"1\\n2\"}\n",
+                    "nodes[0] (x).env: A: '1\\n2' holds an unprintable character"),
+    "env not a mapping": ("cluster: a\nnodes:\n  - name: x\n    kind: local\n    env: [A=1]\n",
+                          "bad.yaml:5: nodes[0] (x).env: expected a mapping, got ['A=1']"),
+    "env in defaults": ("cluster: a\ndefaults:\n  env: {A-B: x}\nnodes:\n  - name: x\n    kind: local\n",
+                        "bad.yaml:3: defaults.env: 'A-B' is not an environment variable name"),
     "misspelt chat format": ("cluster: a\nchat_template: gema\nnodes:\n  - name: x\n    kind: local\n",
                              "bad.yaml:2: chat_template: 'gema' is neither a built-in chat format nor a file "
                              "(fix: did you mean 'gemma'? Otherwise name one of llama-cpp-python's chat formats"),
@@ -98,11 +113,15 @@ def test_missing_inventory_file_exits_2(tmp_path: Path) -> None:
 def test_defaults_apply_unless_the_node_overrides() -> None:
     inventory = parse_inventory(
         "cluster: lab\ndefaults:\n  user: llama\n  rpc_port: 6000\n  labels: {site: home}\n"
+        "  env: {GGML_RPC_DEBUG: '1', CUDA_VISIBLE_DEVICES: '0'}\n"
         "nodes:\n  - name: a\n    host: a.lan\n  - name: b\n    host: b.lan\n    user: me\n"
-        "    labels: {gpu: '1'}\n", "inv.yaml")
+        "    labels: {gpu: '1'}\n    env: {CUDA_VISIBLE_DEVICES: '1', GGML_RPC_FAULT_COMPUTE: ''}\n", "inv.yaml")
     a, b = inventory.nodes
     assert (a.user, a.rpc_port, a.labels) == ("llama", 6000, {"site": "home"})
     assert (b.user, b.rpc_port, b.labels) == ("me", 6000, {"site": "home", "gpu": "1"})
+    assert a.env == {"GGML_RPC_DEBUG": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    assert b.env == {"GGML_RPC_DEBUG": "1", "CUDA_VISIBLE_DEVICES": "1", "GGML_RPC_FAULT_COMPUTE": ""}
+    assert parse_inventory(LOCAL, "inv.yaml").nodes[0].env == {}
 
 
 def test_paths_resolve_against_the_inventory_folder(tmp_path: Path) -> None:
@@ -217,6 +236,7 @@ FIELDS = {
     "memory": ["6GiB", "512 MiB", 4096], "workdir": ["~/work", "/srv/a b"], "transport": ["ssh", "direct"],
     "build": ["auto", "remote", "push", {"path": "/opt/bin/ggml-rpc-server"}], "host_key": ["strict", "accept-new"],
     "labels": [{"site": "home"}, {"gpu": "1", "note": "a;b"}],
+    "env": [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"GGML_RPC_DEBUG": "1", "_X": "a;b $(c)"}],
     "name": ["a", "b-1"],
 }
 TOP = {"context": [512, 2048], "watchdog": [60, 1], "strategy": ["compute", "memory", "equal"],
@@ -267,6 +287,8 @@ def _assert_valid_or_one_located_line(text: str) -> None:
     for node in inventory.nodes:  # what survives into ssh's username and host name is plain
         assert SHELL_SAFE.fullmatch(node.user or "") and SHELL_SAFE.fullmatch(node.host), node
         assert not node.host.startswith("-") and not (node.user or "").startswith("-")
+        assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and value.isprintable()
+                   for name, value in node.env.items()), node
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from core.nodes.build import build_key, pinned_version
+from core.nodes.build import build_key, pinned_version, project_name
+from core.nodes.patches import patches_digest
 from core.state import PidRecord, process_start
 from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
 from tests.sshd import NEEDS_SSHD, SshWorld, keygen, running_world
@@ -124,6 +125,11 @@ def test_remote_build_on_a_node(world: SshWorld, short_root: Path) -> None:
         assert node["state"] == "ready" and "worker built" in node["detail"]
         logs = list(short_root.glob("node root/bin/*.build.log"))
         assert logs and "ggml-rpc-server" in logs[0].read_text()
+        # Built from the patched source, both keyed by the patches' digest.
+        key = build_key(pinned_version(), "cpu")
+        assert json.loads((short_root / "node root" / "bin" / key / "manifest.json").read_text())["patches"] == \
+            patches_digest()
+        assert (short_root / "node root" / "src" / project_name(pinned_version()) / "CMakeLists.txt").is_file()
         assert cluster.cli("run", PROMPT, "-n", "8").returncode == 0
     finally:
         cluster.cli("down", check=False)

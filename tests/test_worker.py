@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from core.inventory import parse_inventory
 from core.nodes import worker
 from core.nodes.remote import LocalRemote
 from tests.harness import FIXTURES, alive, pid_in
@@ -64,6 +66,34 @@ def test_spec_quotes_everything_for_the_shell(tmp_path: Path) -> None:
     spec = worker.WorkerSpec(node="n", workdir=str(tmp_path / "a b;$(touch x)"), binary="/bin/x y", port=5)
     command = spec.supervisor_command()
     assert "'/bin/x y'" in command and "'" + str(tmp_path / "a b;$(touch x)") + "'" in command
+
+
+def test_the_nodes_env_prefixes_the_command_sorted_and_quoted() -> None:
+    node = parse_inventory("cluster: c\nnodes:\n  - name: n\n    kind: local\n    env:\n"
+                           "      GGML_RPC_FAULT_COMPUTE: 'x y;$(id)'\n      CUDA_VISIBLE_DEVICES: '1'\n",
+                           "inv.yaml").nodes[0]
+    spec = worker.WorkerSpec(node="n", workdir="/w", binary="/b", port=5, env=worker.environment(node))
+    assert spec.env == (("CUDA_VISIBLE_DEVICES", "1"), ("GGML_RPC_FAULT_COMPUTE", "x y;$(id)"))
+    assert spec.command() == "env CUDA_VISIBLE_DEVICES=1 'GGML_RPC_FAULT_COMPUTE=x y;$(id)' /b -H 127.0.0.1 -p 5 -c"
+    cached = replace(spec, cache="/c")
+    assert cached.command().startswith("env LLAMA_CACHE=/c CUDA_VISIBLE_DEVICES=1 'GGML_RPC_FAULT_COMPUTE=")
+    # Without an env, the command is what it was: workers started before `env:` existed are still adopted.
+    assert replace(spec, env=()).command() == "/b -H 127.0.0.1 -p 5 -c"
+    assert replace(cached, env=()).command() == "env LLAMA_CACHE=/c /b -H 127.0.0.1 -p 5 -c"
+
+
+@pytest.mark.timeout(60)
+def test_the_worker_runs_with_the_nodes_env_and_a_changed_env_restarts_it(tmp_path: Path) -> None:
+    spec = replace(_spec(tmp_path, 'echo "$GGML_RPC_DEBUG" > seen; exec sleep 300\n'), env=(("GGML_RPC_DEBUG", "1"),))
+    remote = LocalRemote("n")
+    seen = Path(spec.workdir) / "seen"
+    assert asyncio.run(worker.start(remote, spec)) is False
+    _wait_for(lambda: seen.exists() and seen.read_text() == "1\n")
+    assert asyncio.run(worker.start(remote, spec)) is True  # the same env: adopted
+    changed = replace(spec, env=(("GGML_RPC_DEBUG", "2"),))
+    assert asyncio.run(worker.start(remote, changed)) is False  # another env: another worker
+    _wait_for(lambda: seen.read_text() == "2\n")
+    asyncio.run(worker.stop(remote, changed))
 
 
 def _spec(tmp_path: Path, script: str, max_exits: int = 3) -> worker.WorkerSpec:

@@ -139,7 +139,8 @@ class NodeWatcher:
         return worker.WorkerSpec(node=node.name, workdir=worker.worker_dir(fleet.inventory, node, fleet.state, remote),
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,
                                  bind=node.host if direct and node.host else "127.0.0.1",
-                                 cache=str(fleet.state.worker_cache) if node.kind == "local" else None)
+                                 cache=str(fleet.state.worker_cache) if node.kind == "local" else None,
+                                 env=worker.environment(node))
 
     def _show_progress(self, message: str, fraction: float | None) -> None:
         self.runtime.status.last_status = message

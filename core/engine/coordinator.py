@@ -20,6 +20,7 @@ import codecs
 import ctypes
 import inspect
 import json
+import os
 import queue
 import sys
 import threading
@@ -55,6 +56,8 @@ TOP_P = 0.95
 # llama-cli all run that way). llama-cpp-python can only say on or off, and its default, off, builds a graph
 # of ~3 more ops per layer per token: measurably slower on small models.
 FLASH_ATTENTION = True
+# Where llama-cpp-python loads its libraries from, instead of its own lib/ folder.
+LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
 # A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
 # fault, such as a device briefly out of memory, may need a moment); then the controller's restart path takes over.
@@ -199,11 +202,14 @@ def register_rpc_servers(endpoints: tuple[str, ...]) -> ComputeStatus:
     """Register each endpoint as an RPC backend in llama-cpp-python's own ggml registry.
 
     llama-cpp-python ignores its `rpc_servers` argument. Load the soname files (libggml.so.0): the
-    wheel also ships copies without `.0`, and loading those gives a second, empty registry.
+    wheel also ships copies without `.0`, and loading those gives a second, empty registry. From the folder
+    llama-cpp-python loaded its libraries from: $LLAMA_CPP_LIB_PATH when set (tests/stock.py's stock RPC
+    client), else its own lib/.
     """
     import llama_cpp
 
-    lib = Path(llama_cpp.__file__).parent / "lib"
+    override = os.environ.get(LIB_PATH_ENV)  # read as llama-cpp-python reads it: set, even empty, wins
+    lib = Path(override) if override is not None else Path(llama_cpp.__file__).parent / "lib"
     ggml = ctypes.CDLL(str(lib / "libggml.so.0"), mode=ctypes.RTLD_GLOBAL)
     rpc = ctypes.CDLL(str(lib / "libggml-rpc.so.0"), mode=ctypes.RTLD_GLOBAL)
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]

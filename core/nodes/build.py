@@ -1,8 +1,9 @@
 """Get a `ggml-rpc-server`: a cached cmake build of the llama.cpp vendored by the pinned llama-cpp-python.
 
-One llama.cpp source everywhere means one RPC protocol everywhere. Builds are keyed by
-(llama-cpp-python version, OS, arch, backend), made in a scratch folder and moved into place only when
-complete, so a half-written build is never used.
+One llama.cpp source everywhere means one RPC protocol everywhere: the vendored source with our patches
+(core.nodes.patches), or for compatibility tests and benchmarks only, stock. Builds are keyed by
+(llama-cpp-python version, flavour: the patches' digest or ``stock``, OS, arch, backend), made in a scratch
+folder and moved into place only when complete, so a half-written build is never used.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from core.errors import DeployError
+from core.nodes.patches import STOCK, apply_patches, flavour, patches_digest
 from core.version import Version
 
 PACKAGE = "llama-cpp-python"
@@ -43,10 +45,12 @@ BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
 # A static binary can be copied to another node of the same kind without its libraries.
 BASE_FLAGS = ("-DGGML_RPC=ON", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF")
 # ggml-rpc-server links only ggml: this small project is all a node needs (a few MB instead of llama.cpp).
+# Its folders (a trailing /) and files keep their llama.cpp paths, so the patches apply to it unchanged.
+WORKER_TREE = ("ggml/", "tools/rpc/rpc-server.cpp")
 WORKER_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(ggml-rpc-server C CXX)
 add_subdirectory(ggml)
-add_executable(ggml-rpc-server rpc-server.cpp)
+add_executable(ggml-rpc-server tools/rpc/rpc-server.cpp)
 target_link_libraries(ggml-rpc-server PRIVATE ggml)
 target_compile_features(ggml-rpc-server PRIVATE cxx_std_17)
 """
@@ -83,11 +87,17 @@ def pinned_version() -> str:
                           "fix: run `make setup` (it builds it with -DGGML_RPC=ON)") from None
 
 
-def build_key(version: str, backend: str, system: str | None = None, machine: str | None = None) -> str:
-    """The cache key of one worker build."""
+def build_key(version: str, backend: str, system: str | None = None, machine: str | None = None, *,
+              stock: bool = False) -> str:
+    """The cache key of one worker build: ``0.3.36-p<digest>-linux-x86_64-cpu``, or ``0.3.36-stock-…``."""
     system = (system or platform.system()).lower()
     machine = (machine or platform.machine()).lower()
-    return f"{version}-{system}-{machine}-{backend}"
+    return f"{version}-{flavour(stock=stock)}-{system}-{machine}-{backend}"
+
+
+def project_name(version: str, *, stock: bool = False) -> str:
+    """The worker project's name, for its folder and archive: ``worker-0.3.36-p<digest>`` or ``…-stock``."""
+    return f"worker-{version}-{flavour(stock=stock)}"
 
 
 def parse_protocol(header_text: str) -> Version:
@@ -163,27 +173,38 @@ def source_tree(version: str, progress: Progress) -> Path:
     return tree
 
 
-def worker_source(version: str, progress: Progress) -> Path:
-    """The worker's own CMake project (ggml + rpc-server.cpp), cut once from the vendored llama.cpp."""
+def worker_source(version: str, progress: Progress, *, stock: bool = False) -> Path:
+    """The worker's own CMake project (ggml + rpc-server.cpp), cut once from the vendored llama.cpp and patched
+    (unless ``stock``)."""
     root = cache_dir() / "src"
-    project = root / f"worker-{version}"
+    name = project_name(version, stock=stock)
+    project = root / name
     if (project / "CMakeLists.txt").is_file():
         return project
     tree = source_tree(version, progress)
-    with _locked(root / f"worker-{version}.lock"):
+    with _locked(root / f"{name}.lock"):
         if not (project / "CMakeLists.txt").is_file():
             with _scratch(root, ".worker-") as scratch:
-                shutil.copytree(tree / "ggml", scratch / "ggml")
-                shutil.copy2(tree / "tools" / "rpc" / "rpc-server.cpp", scratch / "rpc-server.cpp")
+                for path in WORKER_TREE:
+                    (scratch / path).parent.mkdir(parents=True, exist_ok=True)
+                    copy = shutil.copytree if path.endswith("/") else shutil.copy2
+                    copy(tree / path, scratch / path)
+                if not stock:
+                    # The cut keeps llama.cpp's paths, so each patch applies unchanged (no path rewriting), limited
+                    # to the files the worker has: what a patch changes elsewhere (llama's own sources) only the
+                    # coordinator's wheel builds.
+                    progress("patching llama.cpp", None)
+                    apply_patches(scratch, version,
+                                  include=[path + "*" if path.endswith("/") else path for path in WORKER_TREE])
                 (scratch / "CMakeLists.txt").write_text(WORKER_CMAKE)
                 scratch.replace(project)
     return project
 
 
-def worker_archive(version: str, progress: Progress) -> Path:
+def worker_archive(version: str, progress: Progress, *, stock: bool = False) -> Path:
     """The worker project as a .tar.gz, to upload to nodes that build for themselves."""
-    project = worker_source(version, progress)
-    archive = project.with_name(f"worker-{version}.tar.gz")
+    project = worker_source(version, progress, stock=stock)
+    archive = project.with_name(f"{project.name}.tar.gz")
     if not archive.is_file():
         partial = archive.with_name(f".{archive.name}.{os.getpid()}.partial")
         try:
@@ -197,42 +218,47 @@ def worker_archive(version: str, progress: Progress) -> Path:
     return archive
 
 
-def source_protocol(version: str, progress: Progress) -> Version:
-    """The RPC protocol the pinned llama.cpp speaks."""
-    return parse_protocol((worker_source(version, progress) / "ggml" / "include" / "ggml-rpc.h").read_text())
+def source_protocol(version: str, progress: Progress, *, stock: bool = False) -> Version:
+    """The RPC protocol the pinned llama.cpp speaks (with the patches, unless ``stock``)."""
+    header = worker_source(version, progress, stock=stock) / "ggml" / "include" / "ggml-rpc.h"
+    return parse_protocol(header.read_text())
 
 
-def cached_worker(backend: str = "cpu") -> WorkerBinary | None:
+def cached_worker(backend: str = "cpu", *, stock: bool = False) -> WorkerBinary | None:
     """This machine's ggml-rpc-server for ``backend`` if it is already built, else None."""
-    key = build_key(pinned_version(), backend)
+    key = build_key(pinned_version(), backend, stock=stock)
     home = cache_dir() / "bin" / key
     if not ((home / TARGET).is_file() and (home / "manifest.json").is_file()):
         return None
     return WorkerBinary(home / TARGET, key, Version(**json.loads((home / "manifest.json").read_text())["protocol"]))
 
 
-def worker_binary(backend: str = "cpu", progress: Progress | None = None) -> WorkerBinary:
-    """This machine's ggml-rpc-server for ``backend``, built on first use and cached."""
+def worker_binary(backend: str = "cpu", progress: Progress | None = None, *, stock: bool = False) -> WorkerBinary:
+    """This machine's ggml-rpc-server for ``backend``, built on first use and cached.
+
+    ``stock``: from llama.cpp as shipped, without the patches, for compatibility tests and benchmarks (never
+    what `up` deploys)."""
     report: Progress = progress or (lambda _message, _fraction: None)
     if backend not in BACKEND_FLAGS:
         raise DeployError(f"unknown backend '{backend}'", f"fix: use one of {', '.join(BACKEND_FLAGS)}")
-    found = cached_worker(backend)
+    found = cached_worker(backend, stock=stock)
     if found is not None:
         return found
     version = pinned_version()
-    key = build_key(version, backend)
+    key = build_key(version, backend, stock=stock)
     try:
         with _locked(cache_dir() / "bin" / f"{key}.lock"):
-            found = cached_worker(backend)
+            found = cached_worker(backend, stock=stock)
             if found is not None:
                 return found
             home = cache_dir() / "bin" / key
-            protocol = source_protocol(version, report)
+            protocol = source_protocol(version, report, stock=stock)
             manifest = json.dumps({
                 "key": key, "version": version, "backend": backend, "built_at": time.time(),
+                "patches": STOCK if stock else patches_digest(),
                 "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
             })
-            _compile(worker_source(version, report), key, backend, home, manifest, report=report)
+            _compile(worker_source(version, report, stock=stock), key, backend, home, manifest, report=report)
     except OSError as exc:
         reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
         raise DeployError(f"cannot build the worker in {cache_dir()}: {reason}",

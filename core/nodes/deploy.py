@@ -29,6 +29,7 @@ from core.nodes.build import (
     worker_archive,
     worker_binary,
 )
+from core.nodes.patches import patches_digest
 from core.nodes.probe import NodeFacts, choose_backend, install_hint
 from core.nodes.shell import PIDS, Remote, free_bytes, shell_command
 
@@ -133,7 +134,8 @@ async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str,
         else:
             await _build_on_node(remote, node, root, key=plan.key, backend=plan.backend, progress=progress)
             how = "built"
-        manifest = json.dumps({"key": plan.key, "version": pinned_version(), "backend": plan.backend, "how": how})
+        manifest = json.dumps({"key": plan.key, "version": pinned_version(), "backend": plan.backend, "how": how,
+                               "patches": patches_digest()})
         installed = await remote.run(
             f"cd {shell_command([root + '/bin'])} && printf '%s' {shell_command([manifest])} > "
             f"{shell_command([plan.key + '.partial/manifest.json'])} && rm -rf {shell_command([plan.key])} && "
@@ -225,7 +227,7 @@ async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, bac
     archive = await asyncio.to_thread(worker_archive, version, progress)
     progress(f"uploading llama.cpp worker source to {node.name}", None)
     await remote.upload(archive, f"{root}/src/{archive.name}")
-    src = f"{root}/src/worker-{version}"
+    src = f"{root}/src/{archive.name.removesuffix('.tar.gz')}"  # keyed by the patches' digest, as the archive
     build = f"{root}/build/{key}"
     log = f"{root}/bin/{key}.build.log"
     flags = " ".join([*BASE_FLAGS, *BACKEND_FLAGS[backend]])

@@ -39,6 +39,7 @@ class WorkerSpec:
     threads: int | None = None
     bind: str = "127.0.0.1"
     cache: str | None = None  # LLAMA_CACHE for the worker's tensor cache (-c)
+    env: tuple[tuple[str, str], ...] = ()  # the node's `env:`, sorted by name (see `environment`)
     max_exits: int = CRASH_LOOP_EXITS
     window_s: int = CRASH_LOOP_WINDOW_S
     max_backoff_s: int = MAX_BACKOFF_S
@@ -51,9 +52,11 @@ class WorkerSpec:
         return argv
 
     def command(self) -> str:
-        """The worker's command as the supervisor runs it; also its identity for adoption."""
-        env = ["env", f"LLAMA_CACHE={self.cache}"] if self.cache else []
-        return shell_command([*env, *self.argv()])
+        """The worker's command as the supervisor runs it; also its identity for adoption (so the same
+        inventory always renders the same command)."""
+        assignments = ([f"LLAMA_CACHE={self.cache}"] if self.cache else []) + [f"{name}={value}"
+                                                                                for name, value in self.env]
+        return shell_command([*(["env", *assignments] if assignments else []), *self.argv()])
 
     def supervisor_marker(self) -> str:
         """What the supervisor's command line holds (`sh <workdir>/supervise.sh <workdir> …`)."""
@@ -74,6 +77,11 @@ class WorkerSpec:
         return (f"cd {shell_command([self.workdir])} && "
                 f"(sh -c {shell_command([detach])} sh {inner} {self.command()} "
                 "</dev/null >>supervisor.log 2>&1 &)")
+
+
+def environment(node: Node) -> tuple[tuple[str, str], ...]:
+    """A node's ``env:`` as a WorkerSpec holds it: sorted by name, whatever order the inventory wrote it in."""
+    return tuple(sorted(node.env.items()))
 
 
 @dataclass(frozen=True)
