@@ -47,6 +47,21 @@ class Event:
 
 
 @dataclass
+class SessionStatus:
+    """The coordinator's latest connection to a node's worker, as its relay saw it go by (none for a direct node).
+
+    ``commands`` and ``digest`` leave out COMPUTE_STATUS (the opt-in that only a patched client sends, once), so
+    two runs that sent the worker the same requests in the same order have the same digest with the compute
+    status negotiated or not; ``counts`` has it."""
+
+    commands: int = 0                 # requests on this connection
+    digest: str = ""                  # blake2b-64 (hex) of their command bytes, in order
+    counts: dict[str, int] = field(default_factory=dict)  # requests by command name
+    bytes_to: int = 0                 # coordinator → worker on this connection
+    bytes_from: int = 0               # worker → coordinator
+
+
+@dataclass
 class NodeStatus:
     """One node as the controller sees it."""
 
@@ -86,6 +101,7 @@ class NodeStatus:
     gpu_percent: float | None = None  # GPU busy, mean over the node's GPUs (GPU backends only)
     gpu_mem_used: int | None = None   # GPU memory in use on the node, bytes
     gpu_mem_total: int | None = None
+    session: SessionStatus | None = None  # the coordinator's latest connection to it (seen by the relay)
 
     @property
     def left_out(self) -> bool:
@@ -176,6 +192,7 @@ class ClusterStatus:
             node = dict(raw)
             node["state"] = NodeState(node["state"])
             node["layers"] = tuple(node["layers"]) if node.get("layers") else None
+            node["session"] = SessionStatus(**node["session"]) if node.get("session") else None
             nodes.append(NodeStatus(**node))
         return cls(
             cluster=data["cluster"],
