@@ -102,6 +102,14 @@ class NodeStatus:
     gpu_mem_used: int | None = None   # GPU memory in use on the node, bytes
     gpu_mem_total: int | None = None
     session: SessionStatus | None = None  # the coordinator's latest connection to it (seen by the relay)
+    # Patched workers report a failed graph compute on their next answer, and the coordinator retries the step in
+    # place; stock ones (e.g. `build: {path}`) abort instead. None: not probed yet.
+    compute_status: bool | None = None
+    compute_failures: int = 0         # failed graph computes it reported (each report may cover several)
+    compute_retries: int = 0          # steps retried in place after its failures that then succeeded
+    compute_retry_ms_total: float = 0.0  # their time, failure seen to the retried step's logits, summed
+    last_compute_failure: str = ""    # the latest, e.g. "device 0: GGML_STATUS_FAILED (-1)"
+    last_compute_failure_at: float | None = None  # when (epoch seconds)
 
     @property
     def left_out(self) -> bool:
