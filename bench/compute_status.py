@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -59,7 +60,7 @@ async def token_times(cluster: Cluster, tokens: int, on_token: Callable[[int], N
 
 def fault_gap(times: list[float], at: int) -> float:
     """Seconds the fault added to the token it hit: that token's gap less the run's median gap."""
-    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     return max(gaps[at - 2:at + 2]) - statistics.median(gaps)
 
 

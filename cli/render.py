@@ -148,6 +148,24 @@ def _compute(node: NodeStatus) -> str:
     return f"{node.compute_ms:.2f}" if node.compute_ms is not None and node.layers else "-"
 
 
+def _compute_failures(node: NodeStatus) -> str:
+    # Failed computes the worker reported and the coordinator retried in place; "-": a stock worker, which aborts
+    # instead of reporting one (or one not probed yet).
+    return str(node.compute_failures) if node.compute_status or node.compute_failures else "-"
+
+
+def compute_failure(node: NodeStatus) -> str:
+    """The node's failed computes in words, with the latest ('' when it reported none)."""
+    if not node.compute_failures:
+        return ""
+    count = node.compute_failures
+    when = "" if node.last_compute_failure_at is None else (
+        f" {time.strftime('%H:%M:%S', time.localtime(node.last_compute_failure_at))}")
+    # The enum's prefix says nothing here and would push the line past 80 columns.
+    last = node.last_compute_failure.replace("GGML_STATUS_", "")
+    return f"{count} failed compute{'s' if count != 1 else ''} retried in place; last{when} {last}"
+
+
 NODE_COLUMNS = (
     _Column("NODE", lambda node: node.name),
     _Column("BACKEND", lambda node: f"{node.arch or '?'}/{node.backend or '?'}"),
@@ -158,6 +176,7 @@ NODE_COLUMNS = (
     _Column("MS/TOK", _compute, right=True),
     _Column("COMPUTES", lambda node: "-" if node.link == "direct" else str(node.computes + node.recomputes),
             right=True),
+    _Column("CFAIL", _compute_failures, right=True, optional=True),
     _Column("RESTARTS", lambda node: str(node.restarts), right=True),
 )
 
@@ -190,7 +209,7 @@ def node_lines(status: ClusterStatus, width: int, now: float) -> list[Text]:
     state_index = shown.index(NODE_COLUMNS[2])
     for row, node in enumerate(status.nodes):
         lines.append(line([cells[column][row] for column in shown], {state_index: STATE_STYLE[node.state]}))
-        last = node.last_error or node.last_status
+        last = node.last_error or node.last_status or compute_failure(node)
         if not last and node.state == NodeState.READY and node.layers is None and status.tensor_split:
             last = "no layers in this plan; `ggml-cluster plan` says why"
         if node.left_out and node.retry_at is not None:

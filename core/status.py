@@ -47,6 +47,21 @@ class Event:
 
 
 @dataclass
+class SessionStatus:
+    """The coordinator's latest connection to a node's worker, as its relay saw it go by (none for a direct node).
+
+    ``commands`` and ``digest`` leave out COMPUTE_STATUS (the opt-in that only a patched client sends, once), so
+    two runs that sent the worker the same requests in the same order have the same digest with the compute
+    status negotiated or not; ``counts`` has it."""
+
+    commands: int = 0                 # requests on this connection
+    digest: str = ""                  # blake2b-64 (hex) of their command bytes, in order
+    counts: dict[str, int] = field(default_factory=dict)  # requests by command name
+    bytes_to: int = 0                 # coordinator → worker on this connection
+    bytes_from: int = 0               # worker → coordinator
+
+
+@dataclass
 class NodeStatus:
     """One node as the controller sees it."""
 
@@ -86,6 +101,15 @@ class NodeStatus:
     gpu_percent: float | None = None  # GPU busy, mean over the node's GPUs (GPU backends only)
     gpu_mem_used: int | None = None   # GPU memory in use on the node, bytes
     gpu_mem_total: int | None = None
+    session: SessionStatus | None = None  # the coordinator's latest connection to it (seen by the relay)
+    # Patched workers report a failed graph compute on their next answer, and the coordinator retries the step in
+    # place; stock ones (e.g. `build: {path}`) abort instead. None: not probed yet.
+    compute_status: bool | None = None
+    compute_failures: int = 0         # failed graph computes it reported (each report may cover several)
+    compute_retries: int = 0          # steps retried in place after its failures that then succeeded
+    compute_retry_ms_total: float = 0.0  # their time, failure seen to the retried step's logits, summed
+    last_compute_failure: str = ""    # the latest, e.g. "device 0: GGML_STATUS_FAILED (-1)"
+    last_compute_failure_at: float | None = None  # when (epoch seconds)
 
     @property
     def left_out(self) -> bool:
@@ -176,6 +200,7 @@ class ClusterStatus:
             node = dict(raw)
             node["state"] = NodeState(node["state"])
             node["layers"] = tuple(node["layers"]) if node.get("layers") else None
+            node["session"] = SessionStatus(**node["session"]) if node.get("session") else None
             nodes.append(NodeStatus(**node))
         return cls(
             cluster=data["cluster"],

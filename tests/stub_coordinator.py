@@ -5,7 +5,12 @@ of the stub counts itself in the file beside it (``<cues>.starts``), so a cue ca
 
 - ``load_s``: seconds a load takes (0.05); ``loading``: {start: "die" | "hang" | "fail"} during the load;
 - ``prompt_s``: seconds of busy CPU per 512-token batch of prompt (a long prompt on a slow cluster);
-- ``die_at`` / ``stall_at``: {start: k}: exit 134 / sleep without CPU after the k-th token of that start.
+- ``die_at`` / ``stall_at``: {start: k}: exit 134 / sleep without CPU after the k-th token of that start;
+- ``compute_fail``: {start: {"at": k, "node": i, "attempts": n, "persistent": bool}}: after the k-th token of that
+  start, the worker at endpoint i (of the config's) fails the next step's compute n times in a row, each reported
+  as `ComputeFailed` (attempt 1..n); then the step is retried in place (`ComputeRetried`, 4.2 ms) and the
+  request goes on, or with "persistent" the n-th report is the last word and the stub exits with
+  EXIT_COMPUTE_FAILED (3), as the coordinator does when its retries are exhausted.
 
 Tokens are a function of the prompt and the position, so a resumed request's replay can be checked: a replay
 that differs from what this stub would have generated is answered `Failed`.
@@ -22,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from core.engine.protocol import (
+    EXIT_COMPUTE_FAILED,
     Cancel,
+    ComputeFailed,
+    ComputeRetried,
     Done,
     Failed,
     Generate,
@@ -56,7 +64,18 @@ def busy(seconds: float) -> None:
         pass
 
 
+def fail_computes(endpoint: str, cue: dict[str, Any], rid: int) -> None:
+    """Report ``cue``'s failed computes on ``endpoint``; then the retry that worked, or exit as one that gave up."""
+    attempts, persistent = int(cue.get("attempts", 1)), bool(cue.get("persistent", False))
+    for attempt in range(1, attempts + 1):
+        emit(ComputeFailed(endpoint, 0, -1, 1, attempt, rid, persistent and attempt == attempts))
+    if persistent:
+        os._exit(EXIT_COMPUTE_FAILED)
+    emit(ComputeRetried(endpoint, attempts, 4.2, rid))
+
+
 def main() -> int:
+    endpoints = json.loads(sys.argv[1])["endpoints"]
     cues_path = Path(os.environ["GGML_STUB_CUES"])
     cues = json.loads(cues_path.read_text())
     counter = cues_path.with_name(cues_path.name + ".starts")
@@ -118,6 +137,9 @@ def main() -> int:
                 os._exit(134)
             if cues.get("stall_at", {}).get(key) == produced:
                 time.sleep(3600)
+            failing = cues.get("compute_fail", {}).get(key)
+            if failing is not None and failing["at"] == produced:
+                fail_computes(endpoints[failing.get("node", 0)], failing, request.id)
             time.sleep(0.002)
         emit(Done(request.id, reason, "", len(prompt), len(request.replay), generated - len(request.replay),
                   0.01, 0.01))

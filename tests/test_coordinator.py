@@ -26,6 +26,7 @@ from core.engine.coordinator import (
     load_chat,
 )
 from core.engine.protocol import (
+    EXIT_COMPUTE_FAILED,
     Answer,
     Cancel,
     ComputeFailed,
@@ -42,6 +43,7 @@ from core.engine.protocol import (
     decode_answer,
     decode_request,
     encode,
+    status_name,
 )
 from core.inventory import CHAT_FORMATS
 from core.model import DEMO_CHAT_TEMPLATE, write_demo_model
@@ -175,6 +177,20 @@ def test_every_message_survives_the_wire_and_anything_else_is_refused() -> None:
             decode_answer(line)
         with pytest.raises(ValueError):
             decode_request(line)
+
+
+def test_compute_failures_and_retries_survive_the_wire() -> None:
+    answers = [ComputeFailed("127.0.0.1:41234", 0, -1, 1, 1), ComputeFailed("127.0.0.1:41234", 1, -2, 3, 2, id=7),
+               ComputeFailed("10.0.0.2:50052", 0, 1, 1, 3, id=7, persistent=True),
+               ComputeRetried("127.0.0.1:41234", 1, 4.2), ComputeRetried("127.0.0.1:41234", 2, 12.5, id=7)]
+    assert [decode_answer(encode(message)) for message in answers] == answers
+    assert encode(answers[2]) == (b'{"event": "compute_failed", "endpoint": "10.0.0.2:50052", "device": 0, '
+                                  b'"status": 1, "failures": 1, "attempt": 3, "id": 7, "persistent": true}\n')
+    assert decode_answer(b'{"event": "compute_retried", "endpoint": "e", "attempts": 1, "retry_ms": 4.2}') == (
+        ComputeRetried("e", 1, 4.2))
+    assert [status_name(status) for status in (-1, -2, 1, 7)] == [
+        "GGML_STATUS_FAILED (-1)", "GGML_STATUS_ALLOC_FAILED (-2)", "GGML_STATUS_ABORTED (1)", "ggml_status (7)"]
+    assert EXIT_COMPUTE_FAILED == 3
 
 
 def test_a_cancel_reaches_only_a_request_that_is_queued_or_running() -> None:

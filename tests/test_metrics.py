@@ -99,7 +99,8 @@ def snapshot() -> ClusterStatus:
         cluster="lab", model="demo.gguf", coordinator=CoordinatorStatus(state=CoordinatorState.GENERATING),
         nodes=[NodeStatus(name="a", host="localhost", kind="local", rpc_port=1, state=NodeState.READY,
                           layers=(0, 4), mem_total=24 * GIB, computes=7, bytes_to=1000, compute_ms=2.5,
-                          cpu_percent=97.0, rss=GIB, gpu_percent=40.0, gpu_mem_used=2 * GIB),
+                          cpu_percent=97.0, rss=GIB, gpu_percent=40.0, gpu_mem_used=2 * GIB, compute_status=True,
+                          compute_failures=3, compute_retries=2, compute_retry_ms_total=8.5),
                NodeStatus(name="b", host="localhost", kind="local", rpc_port=2, state=NodeState.FAILED,
                           restarts=5, link="direct")],
         started_at=1_800_000_000.0, requests_served=3, requests_in_flight=1, decode_tokens_per_s=12.5)
@@ -129,6 +130,10 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
     assert ("ggml_cluster_node_cpu_percent", b) not in samples  # unknown is absent, not zero
     assert ("ggml_cluster_node_computes_total", b) not in samples  # a direct node's traffic is not seen
     assert ("ggml_cluster_node_sent_bytes_total", b) not in samples
+    assert samples[("ggml_cluster_node_compute_failures_total", a)] == 3
+    assert samples[("ggml_cluster_node_compute_retries_total", a)] == 2
+    assert samples[("ggml_cluster_node_compute_retry_seconds_total", a)] == 0.0085
+    assert ("ggml_cluster_node_compute_failures_total", b) not in samples  # a stock worker reports none
     assert samples[("ggml_cluster_coordinator_state", (("cluster", "lab"), ("state", "generating")))] == 1
     assert samples[("ggml_cluster_requests_total", (("cluster", "lab"),))] == 3
     assert samples[("ggml_cluster_decode_tokens_per_second", (("cluster", "lab"),))] == 12.5

@@ -10,11 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from core.controller.compute import ComputeFaults
 from core.controller.daemon import Controller, Seams
+from core.controller.events import EventLog
+from core.engine.protocol import ComputeFailed, ComputeRetried
 from core.errors import ConnectError, WorkerDown
 from core.inventory import parse_inventory
 from core.model import write_demo_model
@@ -22,7 +26,7 @@ from core.nodes.testing import FakeRemote, FakeWorker
 from core.rpc.wire import DeviceMemory, WorkerInfo
 from core.service import GenerateRequest
 from core.state import Launch, StateDir
-from core.status import CoordinatorState, NodeState
+from core.status import ClusterStatus, CoordinatorState, NodeState
 from core.version import Version
 from tests.stub_coordinator import token_at
 
@@ -79,11 +83,12 @@ def expected(prompt: str, tokens: int) -> str:
 @asynccontextmanager
 async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, cues: dict[str, Any] | None = None,
                   nodes: int = 2, memory: str = "", *, adopt: Harness | None = None,
-                  keep_workers: bool = False) -> AsyncIterator[Harness]:
+                  keep_workers: bool = False, stock: tuple[str, ...] = ()) -> AsyncIterator[Harness]:
     """A running controller over ``nodes`` fake nodes (each ``memory`` capped) and the stub coordinator.
 
     ``adopt``: the nodes (and their workers) of an earlier cluster, which a new controller adopts;
-    ``keep_workers``: the controller leaves its workers running when it stops (`down --keep-workers`)."""
+    ``keep_workers``: the controller leaves its workers running when it stops (`down --keep-workers`);
+    ``stock``: nodes whose workers do not report failed computes (the others' HELLO says they do)."""
     (tmp_path / "cues.json").write_text(json.dumps(cues or {}))
     monkeypatch.setenv("GGML_STUB_CUES", str(tmp_path / "cues.json"))
     lines = ["cluster: fake", "context: 512", "strategy: memory", "nodes:"]
@@ -106,7 +111,7 @@ async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, 
             raise ConnectError(f"{host}:{port} did not answer HELLO")
         if hello[name] == "down" or not workers[name].answering:
             raise WorkerDown(f"{host}:{port}: connection refused")
-        return WorkerInfo(Version(7, 0, 0), (DeviceMemory(8 * GIB, 8 * GIB),))
+        return WorkerInfo(Version(7, 0, 0), (DeviceMemory(8 * GIB, 8 * GIB),), compute_status=name not in stock)
 
     state = StateDir(tmp_path / ("state" if adopt is None else "adopting")).create()
     launch = Launch(binary="/opt/rpc/ggml-rpc-server", protocol=Version(7, 0, 0), model=str(model))
@@ -266,5 +271,88 @@ def test_a_coordinator_that_dies_again_during_its_reload_is_restarted_once_by_it
             assert "coordinator-retry" not in fake.kinds()
             assert fake.controller.supervisor.status.restarts == 2
             assert int((tmp_path / "cues.json.starts").read_text()) == 3  # three starts, no more
+
+    asyncio.run(scenario())
+
+
+def compute_events(fake: Harness) -> list[tuple[str, str | None, str]]:
+    return [(event.kind, event.node, event.message) for event in fake.controller.log.recent
+            if event.kind.startswith("compute-")]
+
+
+def test_a_failed_compute_is_retried_in_place_with_no_restart_of_anything(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        cues = {"compute_fail": {"1": {"at": 4, "node": 1, "attempts": 2}}}
+        async with cluster(tmp_path, model, monkeypatch, cues, stock=("n0",)) as fake:
+            supervisor = fake.controller.supervisor
+            pid = supervisor.pid()
+            text, done = await fake.run("in place", 10)
+            assert text == expected("in place", 10) and done["recoveries"] == []
+            assert supervisor.pid() == pid and supervisor.status.restarts == 0 and supervisor.loads == 1
+            assert compute_events(fake) == [
+                ("compute-failed", "n1", "compute failed on device 0: GGML_STATUS_FAILED (-1); retrying in place "
+                                         "(attempt 1)"),
+                ("compute-failed", "n1", "compute failed on device 0: GGML_STATUS_FAILED (-1); retrying in place "
+                                         "(attempt 2)"),
+                ("compute-retried", "n1", "retried in place in 4.2 ms after 2 attempts")]
+            assert not {"coordinator-exit", "coordinator-restart", "worker-exit", "watchdog"} & set(fake.kinds())
+            assert fake.workers["n1"].kills == 0 and fake.controller.requests.recoveries == 0
+            n0, n1 = (ClusterStatus.from_dict(fake.controller.snapshot().to_dict())).nodes  # as `status --json`
+            assert (n0.compute_status, n1.compute_status) == (False, True)
+            assert (n1.state, n1.restarts, n1.compute_failures, n1.compute_retries) == (NodeState.READY, 0, 2, 1)
+            assert n1.compute_retry_ms_total == pytest.approx(4.2)
+            assert n1.last_compute_failure == "device 0: GGML_STATUS_FAILED (-1)"
+            assert n1.last_compute_failure_at is not None
+            assert (n0.compute_failures, n0.compute_retries, n0.last_compute_failure) == (0, 0, "")
+            # The next request runs on the same coordinator.
+            assert (await fake.run("next", 6))[0] == expected("next", 6) and supervisor.pid() == pid
+
+    asyncio.run(scenario())
+
+
+def test_a_persistent_compute_failure_restarts_that_worker_and_the_coordinator_and_resumes_exactly(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        cues = {"compute_fail": {"1": {"at": 5, "node": 1, "attempts": 3, "persistent": True}}}
+        async with cluster(tmp_path, model, monkeypatch, cues) as fake:
+            supervisor = fake.controller.supervisor
+            first = supervisor.pid()
+            text, done = await fake.run("persistent", 12)
+            assert text == expected("persistent", 12)  # the stub fails any replay that is not its own tokens
+            assert [recovery["at_token"] for recovery in done["recoveries"]] == [5]
+            assert done["recoveries"][0]["cause"] == ("coordinator exited with 3 (it gave up on a persistent "
+                                                      "compute failure on n1) after 5 tokens")
+            assert supervisor.pid() != first and supervisor.status.restarts == 1 and supervisor.loads == 2
+            assert (fake.workers["n1"].kills, fake.workers["n0"].kills) == (1, 0)  # through its supervisor
+            n1 = fake.controller.nodes["n1"].status
+            assert (n1.state, n1.restarts, n1.compute_failures, n1.compute_retries) == (NodeState.READY, 1, 3, 0)
+            assert [kind for kind, _, _ in compute_events(fake)] == ["compute-failed"] * 3
+            assert compute_events(fake)[-1] == (
+                "compute-failed", "n1", "compute failed on device 0: GGML_STATUS_FAILED (-1); persistent (attempt 3): "
+                "the coordinator gives up, its worker and the coordinator are restarted")
+            exits = [event.message for event in fake.controller.log.recent if event.kind == "coordinator-exit"]
+            assert exits == ["coordinator exited: exit 3 (it gave up on a persistent compute failure on n1); "
+                             "restarting it"]
+            assert "worker-exit" in fake.kinds()
+
+    asyncio.run(scenario())
+
+
+def test_a_report_from_an_endpoint_the_plan_does_not_know_is_logged_with_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        log = EventLog(tmp_path / "events.jsonl")
+        faults = ComputeFaults(SimpleNamespace(nodes={}), log)  # type: ignore[arg-type]
+        faults.connect({"127.0.0.1:50100": "n0"})
+        faults.seen(ComputeFailed("10.0.0.9:50052", 1, -2, 3, 1, persistent=True))
+        faults.seen(ComputeRetried("10.0.0.9:50052", 1, 0.5))
+        assert [(event.kind, event.node, event.message) for event in log.recent] == [
+            ("compute-failed", None, "compute failed at 10.0.0.9:50052 on device 1: GGML_STATUS_ALLOC_FAILED (-2) "
+                                     "(3 failed computes); persistent (attempt 1): the coordinator gives up, its "
+                                     "worker and the coordinator are restarted"),
+            ("compute-retried", None, "retried in place at 10.0.0.9:50052 in 0.5 ms after 1 attempt")]
+        assert faults.cause(3) == "it gave up on a persistent compute failure on the worker at 10.0.0.9:50052"
+        assert faults.cause(134) == ""
+        await faults.restart_worker()  # no node to restart: nothing happens
 
     asyncio.run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import struct
 import subprocess
@@ -15,11 +16,14 @@ from hypothesis import strategies as st
 
 from core.nodes.build import worker_binary
 from core.rpc.relay import MAX_FRAME, FrameError, FrameReader, Link, Relay
+from core.rpc.wire import CMD_COMPUTE_STATUS as COMPUTE_STATUS
 from core.rpc.wire import CMD_COUNT as COMMANDS
 from core.rpc.wire import CMD_GRAPH_COMPUTE as GRAPH_COMPUTE
 from core.rpc.wire import CMD_GRAPH_RECOMPUTE as GRAPH_RECOMPUTE
+from core.rpc.wire import CMD_HELLO as HELLO
 from core.rpc.wire import CMD_SET_TENSOR as SET_TENSOR
 from core.rpc.wire import HEADER, probe_worker
+from core.status import SessionStatus
 from tests.harness import free_port, listening
 
 
@@ -45,8 +49,18 @@ def test_payload_bytes_that_look_like_headers_are_skipped() -> None:
 def test_unknown_command_and_oversized_frame_are_errors() -> None:
     with pytest.raises(FrameError, match="unknown RPC command 200"):
         FrameReader().feed(frame(200, b""))
+    with pytest.raises(FrameError, match=f"unknown RPC command {COMMANDS}"):
+        FrameReader().feed(frame(COMMANDS, b""))
     with pytest.raises(FrameError, match="announces"):
         FrameReader().feed(struct.pack("<BQ", 6, 1 << 60))
+
+
+def test_the_compute_status_opt_in_is_the_one_command_beyond_upstreams() -> None:
+    opt_in = frame(COMPUTE_STATUS, struct.pack("<I", 1))  # what a patched client sends right after HELLO
+    assert FrameReader().feed(frame(HELLO, bytes(24)) + opt_in + frame(15, b"")) == [HELLO, COMPUTE_STATUS, 15]
+    for command in (COMPUTE_STATUS - 1, COMPUTE_STATUS + 1, 255):
+        with pytest.raises(FrameError, match=f"unknown RPC command {command}"):
+            FrameReader().feed(frame(command, struct.pack("<I", 1)))
 
 
 def parse_whole(stream: bytes) -> list[int] | None:
@@ -54,15 +68,15 @@ def parse_whole(stream: bytes) -> list[int] | None:
     commands, position = [], 0
     while position + HEADER.size <= len(stream):
         command, size = HEADER.unpack_from(stream, position)
-        if command >= COMMANDS or size > MAX_FRAME:
+        if (command >= COMMANDS and command != COMPUTE_STATUS) or size > MAX_FRAME:
             return None
         commands.append(command)
         position += HEADER.size + size
     return commands
 
 
-frames = st.lists(st.tuples(st.integers(0, COMMANDS - 1), st.binary(max_size=30)).map(lambda pair: frame(*pair)),
-                  max_size=6)
+frames = st.lists(st.tuples(st.integers(0, COMMANDS - 1) | st.just(COMPUTE_STATUS), st.binary(max_size=30))
+                  .map(lambda pair: frame(*pair)), max_size=6)
 garbage = st.binary(max_size=64) | st.tuples(st.integers(0, 255), st.sampled_from(
     [MAX_FRAME, MAX_FRAME + 1, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1)).map(lambda pair: HEADER.pack(*pair))
 
@@ -184,6 +198,72 @@ def test_compute_times_are_summed_and_counted_besides_their_moving_average() -> 
     assert stats.compute_ms == pytest.approx(0.2 * 10.0 + 0.8 * 4.0)
 
 
+# A load's start and two decode steps, as llama.cpp's client sends them to one node (command, payload size).
+LOAD = [(HELLO, 24), (15, 0), (11, 4), (1, 4), (2, 4), (0, 8), (3, 8), (12, 120), (6, 5000), (7, 56), (5, 9)]
+STEP = [(SET_TENSOR, 40), (SET_TENSOR, 48), (SET_TENSOR, 4136), (GRAPH_RECOMPUTE, 16), (8, 24)]
+OPT_IN = (COMPUTE_STATUS, 4)
+
+
+def session_after(requests: list[tuple[int, int]], pieces: str = "sends") -> tuple[Relay, Link, Capture]:
+    """A relay's latest link after ``requests`` went through it, each answered by 100 bytes; ``pieces``: as
+    llama.cpp sends them (command, size, payload), or all of them in one chunk."""
+    relay, worker = Relay(("127.0.0.1", 1), print), Capture()
+    link = relay._new_link()
+    link.worker_connected(worker)
+    stream = [frame(command, bytes(size)) for command, size in requests]
+    if pieces == "sends":
+        for request in stream:
+            for piece in (request[:1], request[1:HEADER.size], request[HEADER.size:]):
+                if piece:
+                    link.from_client(piece)
+            link.from_worker(bytes(100))
+    else:
+        link.from_client(b"".join(stream))
+        link.from_worker(bytes(100 * len(stream)))
+    return relay, link, worker
+
+
+def test_a_connections_commands_are_counted_and_their_order_hashed() -> None:
+    requests = LOAD + STEP + STEP
+    relay, link, _ = session_after(requests)
+    session = relay.stats.session
+    assert session is link.session and session is not None
+    assert session.commands == len(requests)
+    assert session.digest == hashlib.blake2b(bytes(command for command, _ in requests), digest_size=8).hexdigest()
+    assert session.bytes_to == sum(HEADER.size + size for _, size in requests) == relay.stats.bytes_to
+    assert session.bytes_from == 100 * len(requests)
+    status = session.status()
+    assert status == SessionStatus(commands=len(requests), digest=session.digest, counts={
+        "ALLOC_BUFFER": 1, "GET_ALIGNMENT": 1, "GET_MAX_SIZE": 1, "BUFFER_GET_BASE": 1, "BUFFER_CLEAR": 1,
+        "SET_TENSOR": 7, "SET_TENSOR_HASH": 1, "GET_TENSOR": 2, "GET_DEVICE_MEMORY": 1, "INIT_TENSOR": 1,
+        "HELLO": 1, "DEVICE_COUNT": 1, "GRAPH_RECOMPUTE": 2}, bytes_to=session.bytes_to, bytes_from=session.bytes_from)
+
+
+def test_the_same_requests_give_the_same_digest_however_they_arrive_and_with_the_opt_in() -> None:
+    stock = session_after(LOAD + STEP + STEP)[0].stats.session
+    whole = session_after(LOAD + STEP + STEP, pieces="whole")[0].stats.session
+    negotiated = session_after([*LOAD[:1], OPT_IN, *LOAD[1:], *STEP, *STEP])[0].stats.session
+    other = session_after(LOAD + STEP + STEP[::-1])[0].stats.session
+    assert stock is not None and whole is not None and negotiated is not None and other is not None
+    assert stock.digest == whole.digest == negotiated.digest != other.digest
+    assert stock.commands == whole.commands == negotiated.commands
+    assert negotiated.status().counts["COMPUTE_STATUS"] == 1 and "COMPUTE_STATUS" not in stock.status().counts
+    assert negotiated.bytes_to == stock.bytes_to + HEADER.size + 4  # the opt-in is all that differs
+    assert stock.bytes_from == whole.bytes_from  # answers are counted, not parsed
+
+
+def test_each_connection_has_its_own_session_and_the_latest_is_shown() -> None:
+    relay, first, _ = session_after(LOAD)
+    first.close()
+    second = relay._new_link()
+    second.worker_connected(Capture())
+    assert relay.stats.session is second.session and second.session.commands == 0
+    first.from_worker(bytes(10))  # a late answer on the old connection stays on its session
+    second.from_client(frame(HELLO, bytes(24)))
+    assert (first.session.commands, second.session.commands) == (len(LOAD), 1)
+    assert second.session.bytes_from == 0 and relay.stats.bytes_to == first.session.bytes_to + second.session.bytes_to
+
+
 @pytest.mark.integration
 def test_relay_in_front_of_a_real_worker() -> None:
     port = free_port()
@@ -197,6 +277,10 @@ def test_relay_in_front_of_a_real_worker() -> None:
         info = await probe_worker(host, relay_port, timeout=5.0)  # HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY
         assert info.mem_total > 0
         assert relay.stats.connections == 1 and relay.stats.bytes_to > 0 and relay.stats.bytes_from > 0
+        session = relay.stats.session
+        assert session is not None and session.status().counts == {
+            "HELLO": 1, "DEVICE_COUNT": 1, "GET_DEVICE_MEMORY": len(info.devices)}
+        assert session.bytes_from == relay.stats.bytes_from
         # A corrupt stream closes that connection and is reported; the relay serves the next one.
         reader, writer = await asyncio.open_connection(host, relay_port)
         writer.write(frame(250, b""))

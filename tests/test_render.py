@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from cli.render import bar, compact, duration, run_summary, size, status_view, to_text
-from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, Event, NodeState, NodeStatus
+from core.status import (
+    ClusterStatus,
+    CoordinatorState,
+    CoordinatorStatus,
+    Event,
+    NodeState,
+    NodeStatus,
+    SessionStatus,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -186,3 +195,42 @@ def test_a_failed_node_says_when_it_is_tried_again() -> None:
     status = when(healthy(), pi5={"state": NodeState.FAILED, "layers": None, "failures": 2, "retry_at": T0 + 145,
                                   "last_error": "crash loop: killed by SIGKILL"})
     assert "  └ crash loop: killed by SIGKILL (failed 2 times; next try in 20s)" in screen(status)
+
+
+def test_failed_computes_retried_in_place_are_counted_and_the_latest_is_under_the_row() -> None:
+    status = when(healthy(), rtx4090={"compute_status": True},
+                  pi5={"compute_status": True, "compute_failures": 2, "compute_retries": 1,
+                       "last_compute_failure": "device 0: GGML_STATUS_FAILED (-1)",
+                       "last_compute_failure_at": T0 + 100})
+    assert screen(status, width=100)[3:7] == [
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES CFAIL RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12     1210     0        0",
+        "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25     1209     2        0",
+        "  └ 2 failed computes retried in place; last 08:01:40 device 0: FAILED (-1)",
+    ]
+    # 80 columns: the count goes first (before LOAD); the line under the row stays.
+    assert screen(status)[3:7] == [
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12     1210        0",
+        "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25     1209        0",
+        "  └ 2 failed computes retried in place; last 08:01:40 device 0: FAILED (-1)",
+    ]
+
+
+def test_a_stock_worker_or_one_not_probed_yet_has_no_failed_computes_to_show() -> None:
+    status = when(healthy(), rtx4090={"compute_status": False})  # pi5: not probed yet (None)
+    lines = screen(status, width=100)
+    assert lines[3].split()[-2:] == ["CFAIL", "RESTARTS"]
+    assert [line.split()[-2] for line in lines[4:6]] == ["-", "-"]
+
+
+def test_round_trip_through_json_with_the_relay_session_and_failed_computes() -> None:
+    original = when(healthy(), pi5={
+        "compute_status": True, "compute_failures": 1, "compute_retries": 1, "compute_retry_ms_total": 4.2,
+        "last_compute_failure": "device 0: GGML_STATUS_ABORTED (1)", "last_compute_failure_at": T0,
+        "session": SessionStatus(commands=12, digest="00112233aabbccdd", counts={"HELLO": 1, "GRAPH_COMPUTE": 11},
+                                 bytes_to=4096, bytes_from=512)})
+    data = json.loads(json.dumps(original.to_dict()))  # what `status --json` prints and a client reads back
+    assert data["nodes"][1]["session"]["digest"] == "00112233aabbccdd"
+    assert data["nodes"][1]["compute_status"] is True and data["nodes"][0]["compute_status"] is None
+    assert ClusterStatus.from_dict(data) == original

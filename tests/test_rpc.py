@@ -26,9 +26,26 @@ def test_request_frame_layout() -> None:
 
 
 def test_hello_answer() -> None:
-    assert rpc.decode_hello(bytes([7, 0, 0, 0]) + bytes(24)) == rpc.Version(7, 0, 0)
+    stock = rpc.decode_hello(bytes([7, 0, 0, 0]) + bytes(24))
+    assert stock == rpc.HelloAnswer(rpc.Version(7, 0, 0), 0) and not stock.compute_status
     with pytest.raises(WorkerError, match="another RPC protocol"):
         rpc.decode_hello(bytes([3, 0, 0]))
+
+
+def test_hello_answer_of_a_worker_that_reports_failed_computes() -> None:
+    """The padding byte (index 3) carries the feature bits; stock workers send 0 there, and conn_caps is RDMA's."""
+    patched = rpc.decode_hello(bytes([7, 0, 0, 0x01]) + bytes(24))
+    assert patched.version == rpc.Version(7, 0, 0) and patched.features == rpc.FEATURE_COMPUTE_STATUS
+    assert patched.compute_status
+    unknown_bits = rpc.decode_hello(bytes([7, 0, 0, 0xFE]) + bytes([0x01]) + bytes(23))
+    assert unknown_bits.features == 0xFE and not unknown_bits.compute_status
+
+
+def test_compute_status_command_is_outside_upstreams_range() -> None:
+    assert rpc.CMD_COMPUTE_STATUS == 128 > rpc.CMD_COUNT
+    assert rpc.COMMAND_NAMES[rpc.CMD_COMPUTE_STATUS] == "COMPUTE_STATUS"
+    assert rpc.COMMAND_NAMES[rpc.CMD_HELLO] == "HELLO" and rpc.COMMAND_NAMES[rpc.CMD_GRAPH_COMPUTE] == "GRAPH_COMPUTE"
+    assert sorted(rpc.COMMAND_NAMES) == [*range(rpc.CMD_COUNT), rpc.CMD_COMPUTE_STATUS]
 
 
 def test_sizes_no_answer_can_have_are_refused() -> None:
@@ -69,6 +86,25 @@ def test_peer_with_a_huge_size_is_refused_without_allocating() -> None:
     async def check(port: int) -> None:
         with pytest.raises(WorkerError, match="larger than any valid answer"):
             await rpc.probe_worker("127.0.0.1", port, timeout=2)
+
+    asyncio.run(_serve(handler, check))
+
+
+@pytest.mark.parametrize("features", [0x00, 0x01])
+def test_probe_says_whether_the_worker_reports_failed_computes(features: int) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answers = [bytes([7, 0, 0, features]) + bytes(24), struct.pack("<I", 1), struct.pack("<QQ", 5, 9)]
+        for answer in answers:  # HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY
+            _, size = struct.unpack("<BQ", await reader.readexactly(9))
+            await reader.readexactly(size)
+            writer.write(struct.pack("<Q", len(answer)) + answer)
+            await writer.drain()
+        await reader.read()  # the probe sends nothing else: no COMPUTE_STATUS opt-in
+        writer.close()
+
+    async def check(port: int) -> None:
+        info = await rpc.probe_worker("127.0.0.1", port, timeout=2)
+        assert info == rpc.WorkerInfo(rpc.Version(7, 0, 0), (rpc.DeviceMemory(5, 9),), compute_status=bool(features))
 
     asyncio.run(_serve(handler, check))
 

@@ -104,8 +104,11 @@ class WorkerHealth:
                 await asyncio.sleep(0.2)
                 continue
             status.mem_total, status.mem_free = info.mem_total, info.mem_free
+            status.compute_status = info.compute_status
             self.log.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
-                            f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB", runtime.name)
+                            f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB"
+                            + ("; reports failed computes (retried in place)" if info.compute_status else ""),
+                            runtime.name)
             self.ready(runtime)
             return
 
@@ -117,7 +120,7 @@ class WorkerHealth:
             return False
         pid = runtime.status.pid
         try:
-            await self._probe(*runtime.endpoint)
+            runtime.status.compute_status = (await self._probe(*runtime.endpoint)).compute_status
             return True
         except WorkerError as exc:
             self.fail(runtime, str(exc))

@@ -120,7 +120,8 @@ class RequestRunner:
                 await drain(messages, lambda answer: isinstance(answer, Exited), 10)
                 return cause
             if isinstance(answer, Exited):
-                return f"coordinator exited with {answer.code} after {len(progress.generated)} tokens"
+                why = f" ({answer.cause})" if answer.cause else ""  # it gave up on a persistent compute failure
+                return f"coordinator exited with {answer.code}{why} after {len(progress.generated)} tokens"
             if getattr(answer, "id", None) != rid:
                 continue
             if isinstance(answer, PromptTokens):

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from core.controller.compute import ComputeFaults
 from core.controller.events import EventLog, Tasks
 from core.controller.fleet import Fleet
 from core.controller.health import READY_TIMEOUT_S
@@ -18,7 +19,17 @@ from core.controller.placement import Placement
 from core.controller.watchdog import Watchdog
 from core.engine import child
 from core.engine.coordinator import CoordinatorConfig
-from core.engine.protocol import Answer, Exited, Failed, Ready, Shutdown, decode_answer, encode
+from core.engine.protocol import (
+    Answer,
+    ComputeFailed,
+    ComputeRetried,
+    Exited,
+    Failed,
+    Ready,
+    Shutdown,
+    decode_answer,
+    encode,
+)
 from core.errors import ClusterError, PlanError, WorkerError
 from core.inventory import Inventory
 from core.model import ModelFacts
@@ -41,8 +52,10 @@ class CoordinatorLost(ClusterError):
     """The coordinator exited, or hung and was killed, before it was ready."""
 
 
-def exit_cause(code: int) -> str:
-    """Why a coordinator process ended, from its exit status."""
+def exit_cause(code: int, reason: str = "") -> str:
+    """Why a coordinator process ended, from its exit status (``reason``: what it said before, if anything)."""
+    if reason:
+        return f"exit {code} ({reason})"
     if code in (-6, 134):
         return f"exit {code} (aborted: a worker connection was lost)"
     return f"exit {code} ({worker.classify_exit(code if code >= 0 else 128 - code, '')})"
@@ -67,6 +80,7 @@ class CoordinatorSupervisor:
         self.status = CoordinatorStatus(endpoint=f"unix:{state.socket}")
         self.watchdog = watchdog
         watchdog.watch(self.pid, self.kill)
+        self.compute = ComputeFaults(fleet, log)  # failed computes it reports, and retries in place
         self.process: asyncio.subprocess.Process | None = None
         self.messages: asyncio.Queue[Answer] = asyncio.Queue()
         self.ready = asyncio.Event()      # set while a loaded coordinator runs
@@ -184,7 +198,8 @@ class CoordinatorSupervisor:
         while self.process is not None:  # until its reader has seen it go
             await self.log.wait_change(0.1)
         if not asked and not self.stopping and process is not None:
-            self._exited(exit_cause(process.returncode if process.returncode is not None else -1))
+            code = process.returncode if process.returncode is not None else -1
+            self._exited(exit_cause(code, self.compute.cause(code)))
 
     async def _start(self) -> None:
         """Wait for the workers, plan, start the coordinator and wait until it has loaded the model.
@@ -203,6 +218,7 @@ class CoordinatorSupervisor:
             if endpoint is None:
                 raise WorkerError(f"node {name} has no endpoint")
             endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
+        self.compute.connect(dict(zip(endpoints, plan.used, strict=True)))  # its reports name the endpoint
         template_file = self.inventory.chat_template_file
         config = CoordinatorConfig(model=str(self.model.path), endpoints=tuple(endpoints),
                                    tensor_split=plan.used_split, context=self.inventory.context,
@@ -277,11 +293,18 @@ class CoordinatorSupervisor:
         if process.stdout is not None:
             async for raw in process.stdout:
                 try:
-                    messages.put_nowait(decode_answer(raw))
+                    answer = decode_answer(raw)
                 except ValueError:
                     log.warning("coordinator wrote a line that is not the protocol: %r", raw[:200])
+                    continue
+                if isinstance(answer, ComputeFailed | ComputeRetried):
+                    self.compute.seen(answer)  # whether a request runs or not; the request goes on regardless
+                else:
+                    messages.put_nowait(answer)
         code = await process.wait()
-        messages.put_nowait(Exited(code))
+        messages.put_nowait(Exited(code, self.compute.cause(code)))
+        if self.compute.gave_up is not None:
+            self.tasks.spawn(self.compute.restart_worker())
         if process is self.process:
             self.process = None
             self.ready.clear()

@@ -63,6 +63,9 @@ def families(status: ClusterStatus) -> list[Metric]:
         "memory_bytes": ("The node's memory for the worker (device memory on GPU nodes).", False),
         "gpu_utilization_percent": ("GPU busy, mean over the node's GPUs.", False),
         "gpu_memory_used_bytes": ("GPU memory in use, summed over the node's GPUs.", False),
+        "compute_failures": ("Failed graph computes the node's worker reported (patched workers).", True),
+        "compute_retries": ("Steps retried in place after the node's failed computes, that then succeeded.", True),
+        "compute_retry_seconds": ("Time those retries took, failure seen to the retried step's logits.", True),
     }
     made = {name: (CounterMetricFamily if counter else GaugeMetricFamily)(f"{_PREFIX}_node_{name}", doc, labels=labels)
             for name, (doc, counter) in per_node.items()}
@@ -77,6 +80,9 @@ def families(status: ClusterStatus) -> list[Metric]:
             "cpu_percent": node.cpu_percent, "resident_bytes": node.rss, "memory_bytes": node.mem_total or None,
             "gpu_utilization_percent": node.gpu_percent, "gpu_memory_used_bytes": node.gpu_mem_used,
         }
+        if node.compute_status or node.compute_failures:  # a stock worker aborts instead of reporting
+            values.update(compute_failures=node.compute_failures, compute_retries=node.compute_retries,
+                          compute_retry_seconds=node.compute_retry_ms_total / 1000)
         if node.link != "direct":  # no relay in front of a direct node: its traffic is not counted
             values.update(computes=node.computes, recomputes=node.recomputes, sent_bytes=node.bytes_to,
                           received_bytes=node.bytes_from)

@@ -32,6 +32,7 @@ from typing import IO, Any
 import numpy as np
 
 from core.engine.protocol import (
+    EXIT_COMPUTE_FAILED,
     Answer,
     Cancel,
     ComputeFailed,
@@ -62,7 +63,6 @@ PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
 # A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
 # fault, such as a device briefly out of memory, may need a moment); then the controller's restart path takes over.
 RETRY_DELAYS_S = (0.0, 0.01, 0.1)
-EXIT_COMPUTE_FAILED = 3  # the exit status after a persistent compute failure (the controller restarts and replays)
 
 
 @dataclass(frozen=True)

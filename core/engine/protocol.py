@@ -4,8 +4,12 @@ Both sides build and read them here, so the controller, the coordinator and a te
 
 - requests: `Generate` (``replay`` holds tokens generated before a restart), `Cancel`, `Shutdown`;
 - answers: `Ready` or `Failed` once at start-up; per request `PromptTokens`, `Progress` while the prompt or a
-  replay is evaluated, a `Token` per new token, then `Done` or `Failed`. `Exited` is never sent: the
-  controller notes with it that the process ended (or was killed, with why).
+  replay is evaluated, a `Token` per new token, then `Done` or `Failed`; at any time `ComputeFailed` (a patched
+  worker reported a failed graph compute; the step is retried in place) and `ComputeRetried` (the retry worked).
+  `Exited` is never sent: the controller notes with it that the process ended (or was killed, with why).
+
+A `ComputeFailed` with ``persistent`` set is the coordinator's last word: it exits with EXIT_COMPUTE_FAILED right
+after, for the controller to restart that worker and the coordinator and resume the request.
 """
 
 from __future__ import annotations
@@ -13,6 +17,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+EXIT_COMPUTE_FAILED = 3  # the coordinator's exit code after a persistent compute failure (ComputeFailed.persistent)
+# enum ggml_status (ggml.h) values other than GGML_STATUS_SUCCESS, as a worker reports them.
+GGML_STATUS_NAMES = {-2: "GGML_STATUS_ALLOC_FAILED", -1: "GGML_STATUS_FAILED", 1: "GGML_STATUS_ABORTED"}
+
+
+def status_name(status: int) -> str:
+    """A ggml_status in words, e.g. ``GGML_STATUS_FAILED (-1)``; an unknown one by its number."""
+    return f"{GGML_STATUS_NAMES.get(status, 'ggml_status')} ({status})"
 
 
 @dataclass(frozen=True)
@@ -103,13 +116,13 @@ class Done:
 class ComputeFailed:
     """A worker reported a failed graph compute on a reply (patched workers); the coordinator retries the step."""
 
-    endpoint: str
-    device: int
-    status: int
-    failures: int
-    attempt: int
-    id: int | None = None
-    persistent: bool = False
+    endpoint: str      # the RPC endpoint the coordinator uses for that worker (the relay, or the worker itself)
+    device: int        # the worker's device index
+    status: int        # ggml_status: -1 FAILED, -2 ALLOC_FAILED, 1 ABORTED (see status_name)
+    failures: int      # failed computes that report covers (>1 when several failed before a reply)
+    attempt: int       # 1 for the first retry of this step, 2, ...
+    id: int | None = None      # the request, if one was running
+    persistent: bool = False   # retries exhausted: the coordinator exits (EXIT_COMPUTE_FAILED) for a restart
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ class ComputeRetried:
 
     endpoint: str
     attempts: int
-    retry_ms: float
+    retry_ms: float    # from the failure being seen to the retried step's logits being ready
     id: int | None = None
 
 

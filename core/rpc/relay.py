@@ -5,7 +5,8 @@ next request, see WHOLE_FRAME) and reads only the frame headers of the coordinat
 (``cmd:u8, size:u64``, then ``size`` payload bytes it skips without looking at). That gives per node:
 graph computes (and recomputes of a cached graph), bytes each way, and the time from a GRAPH_COMPUTE to the
 first answer after it (the next request that waits on the graph), which is the node's share of a token,
-seen from the coordinator, at no extra round trip. A malformed or oversized frame closes that connection
+seen from the coordinator, at no extra round trip; and, for the coordinator's latest connection, its commands
+in order (`SessionStats`). A malformed or oversized frame closes that connection
 (the coordinator restarts as it would if the worker had gone) and is reported; it never raises.
 
 asyncio protocols rather than streams: a chunk is handed from one transport to the other as the same bytes
@@ -18,15 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 from core.errors import ConnectError
-from core.rpc.wire import CMD_COUNT, CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_SET_TENSOR, HEADER
+from core.rpc.wire import (
+    CMD_COMPUTE_STATUS,
+    CMD_COUNT,
+    CMD_GRAPH_COMPUTE,
+    CMD_GRAPH_RECOMPUTE,
+    CMD_SET_TENSOR,
+    COMMAND_NAMES,
+    HEADER,
+)
+from core.status import SessionStatus
 
 MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is a corrupt stream
 # The worker gets requests up to this size whole, and small SET_TENSORs together with the request after them.
@@ -39,6 +50,35 @@ WHOLE_FRAME = 64 << 10
 SMOOTHING = 0.2        # weight of the newest compute time in the moving average
 
 T = TypeVar("T")
+
+
+@dataclass
+class SessionStats:
+    """One coordinator connection's data path, command by command: what proves that two runs sent the worker the
+    same requests in the same order (the digest) and got the same number of bytes back.
+
+    ``commands`` and the digest leave out COMPUTE_STATUS, the one-way opt-in that only a patched client sends
+    once after HELLO, so that a run with the compute status negotiated compares equal to one without; ``counts``
+    has it. Kept on the relays' thread per chunk: a counter bump per command and one hash update per chunk.
+    """
+
+    commands: int = 0
+    bytes_to: int = 0       # coordinator → worker
+    bytes_from: int = 0     # worker → coordinator
+    counts: list[int] = field(default_factory=lambda: [0] * 256)  # by command byte
+    sequence: hashlib.blake2b = field(default_factory=lambda: hashlib.blake2b(digest_size=8))
+
+    @property
+    def digest(self) -> str:
+        """The command bytes so far, in order, hashed (hex)."""
+        return self.sequence.hexdigest()
+
+    def status(self) -> SessionStatus:
+        """As plain data, with the commands by name."""
+        return SessionStatus(commands=self.commands, digest=self.digest,
+                             counts={COMMAND_NAMES.get(command, str(command)): count
+                                     for command, count in enumerate(self.counts) if count},
+                             bytes_to=self.bytes_to, bytes_from=self.bytes_from)
 
 
 @dataclass
@@ -56,6 +96,7 @@ class RelayStats:
     computes_timed: int = 0
     connected: bool = False
     connections: int = 0
+    session: SessionStats | None = None  # the latest coordinator connection (None before the first)
 
 
 class Pipe(Protocol):
@@ -106,7 +147,7 @@ class FrameReader:
                 break
             command, size = HEADER.unpack(self._header)
             self._header.clear()
-            if command >= CMD_COUNT:
+            if command >= CMD_COUNT and command != CMD_COMPUTE_STATUS:
                 raise FrameError(f"unknown RPC command {command}")
             if size > MAX_FRAME:
                 raise FrameError(f"RPC command {command} announces {size} bytes")
@@ -132,6 +173,7 @@ class Link:
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
         self.frames = FrameReader()
+        self.session = SessionStats()
         self.client: asyncio.Transport | None = None
         self.worker: Pipe | None = None
         self.compute_started: float | None = None
@@ -141,21 +183,29 @@ class Link:
 
     def from_client(self, data: bytes) -> None:
         """Bytes from the coordinator: counted, their frame headers read, then to the worker (see WHOLE_FRAME)."""
-        stats = self.relay.stats
+        stats, session = self.relay.stats, self.session
         stats.bytes_to += len(data)
+        session.bytes_to += len(data)
         try:
             commands = self.frames.feed(data)
         except FrameError as exc:
             self.relay.report(f"closed the coordinator's connection: {exc}")
             self.close()
             return
-        for command in commands:
-            if command == CMD_GRAPH_COMPUTE:
-                stats.computes += 1
-                self.compute_started = time.perf_counter()
-            elif command == CMD_GRAPH_RECOMPUTE:
-                stats.recomputes += 1
-                self.compute_started = time.perf_counter()
+        if commands:
+            counts = session.counts
+            for command in commands:
+                counts[command] += 1
+                if command == CMD_GRAPH_COMPUTE:
+                    stats.computes += 1
+                    self.compute_started = time.perf_counter()
+                elif command == CMD_GRAPH_RECOMPUTE:
+                    stats.recomputes += 1
+                    self.compute_started = time.perf_counter()
+            if CMD_COMPUTE_STATUS in commands:  # the opt-in stays out of the sequence (see SessionStats)
+                commands = [command for command in commands if command != CMD_COMPUTE_STATUS]
+            session.commands += len(commands)
+            session.sequence.update(bytes(commands))
         held = len(self.held)
         if held:
             data = self.held + data
@@ -185,6 +235,7 @@ class Link:
         """Bytes from the worker, to the coordinator."""
         stats = self.relay.stats
         stats.bytes_from += len(data)
+        self.session.bytes_from += len(data)
         if self.compute_started is not None:
             elapsed = (time.perf_counter() - self.compute_started) * 1000
             self.compute_started = None
@@ -287,6 +338,7 @@ class Relay:
     def _new_link(self) -> Link:
         link = Link(self)
         self._links = {known for known in self._links if not known.closed} | {link}
+        self.stats.session = link.session
         return link
 
     async def connect_worker(self, link: Link) -> None:

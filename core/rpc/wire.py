@@ -22,7 +22,18 @@ CMD_GET_DEVICE_MEMORY = 11
 CMD_HELLO = 14
 CMD_DEVICE_COUNT = 15
 CMD_GRAPH_RECOMPUTE = 16
-CMD_COUNT = 19  # RPC_CMD_COUNT: a command byte beyond it is not ggml-rpc
+CMD_COUNT = 19  # RPC_CMD_COUNT: a command byte beyond it is not stock ggml-rpc
+# ggml-cluster's in-protocol compute status (patched workers and coordinator): a worker that sets this bit in
+# its HELLO answer's padding byte (stock ones send 0) reports a failed graph compute on its next answer instead
+# of aborting; a client that sees it opts in with CMD_COMPUTE_STATUS right after HELLO (u32 flags, no answer).
+FEATURE_COMPUTE_STATUS = 0x01
+CMD_COMPUTE_STATUS = 128
+# Every command by number (enum rpc_cmd, and ours), for what the relay counts.
+COMMAND_NAMES = {number: name for number, name in enumerate((
+    "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+    "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+    "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR", "NONE"))}
+COMMAND_NAMES[CMD_COMPUTE_STATUS] = "COMPUTE_STATUS"
 CONN_CAPS_SIZE = 24
 HELLO_RESPONSE_SIZE = 4 + CONN_CAPS_SIZE
 # No answer this protocol sends is larger; a bigger size means the peer is not a ggml-rpc server.
@@ -57,12 +68,25 @@ def decode_size(header: bytes) -> int:
     return int(size)
 
 
-def decode_hello(payload: bytes) -> Version:
-    """The server's protocol version from a HELLO answer."""
+@dataclass(frozen=True)
+class HelloAnswer:
+    """A HELLO answer: the server's protocol version and its feature bits (the padding byte; 0 from stock)."""
+
+    version: Version
+    features: int = 0
+
+    @property
+    def compute_status(self) -> bool:
+        """Whether the server reports a failed graph compute on its next answer (patched workers)."""
+        return bool(self.features & FEATURE_COMPUTE_STATUS)
+
+
+def decode_hello(payload: bytes) -> HelloAnswer:
+    """The server's protocol version and feature bits from a HELLO answer."""
     if len(payload) != HELLO_RESPONSE_SIZE:
         raise WorkerError(f"HELLO answer has {len(payload)} bytes, expected {HELLO_RESPONSE_SIZE}; "
                           "the worker speaks another RPC protocol")
-    return Version(payload[0], payload[1], payload[2])
+    return HelloAnswer(Version(payload[0], payload[1], payload[2]), payload[3])
 
 
 def decode_device_count(payload: bytes) -> int:
@@ -89,6 +113,7 @@ class WorkerInfo:
 
     version: Version
     devices: tuple[DeviceMemory, ...]
+    compute_status: bool = False  # it reports failed graph computes instead of aborting (FEATURE_COMPUTE_STATUS)
 
     @property
     def mem_free(self) -> int:
@@ -137,9 +162,9 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Versi
         raise ConnectError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from None
     try:
         async with asyncio.timeout(timeout):
-            version = decode_hello(await _call(reader, writer, CMD_HELLO, bytes(CONN_CAPS_SIZE), first=True))
-            if client is not None and not version.compatible_with(client):
-                raise WorkerError(f"worker speaks RPC protocol {version}, the coordinator speaks {client}",
+            hello = decode_hello(await _call(reader, writer, CMD_HELLO, bytes(CONN_CAPS_SIZE), first=True))
+            if client is not None and not hello.version.compatible_with(client):
+                raise WorkerError(f"worker speaks RPC protocol {hello.version}, the coordinator speaks {client}",
                                   "fix: rebuild the worker from the coordinator's llama.cpp (ggml-cluster does "
                                   "this unless the node sets build: {path: …})")
             count = decode_device_count(await _call(reader, writer, CMD_DEVICE_COUNT, b""))
@@ -158,4 +183,4 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Versi
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
-    return WorkerInfo(version, tuple(devices))
+    return WorkerInfo(hello.version, tuple(devices), hello.compute_status)
