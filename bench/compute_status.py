@@ -72,6 +72,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-cs-", dir="/tmp"))
     model = big_model()
     top = [f"model: {model}"]
+    for arm in ("patched", "stock", "failing"):
+        (root / arm).mkdir()
     patched = Cluster(root / "patched", nodes=2, top=top)
     stock_path = stock_worker().path
     stock = Cluster(root / "stock", nodes=2, top=top, ports=patched.ports,

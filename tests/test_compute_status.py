@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from core.engine.coordinator import RETRY_DELAYS_S
 from core.model import write_demo_model
 from core.nodes.build import worker_binary
 from tests.harness import Cluster, alive, free_port, listening
@@ -37,9 +40,9 @@ def fault_env(spec: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory: pytest.TempPathFactory) -> str:
+def expected() -> str:
     """The fault-free greedy text of the 3-worker cluster the fault tests use."""
-    cluster = Cluster(Path(tmp_path_factory.mktemp("cs", numbered=True)), nodes=3)
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="gct-", dir="/tmp")), nodes=3)  # short: socket paths
     try:
         cluster.cli("up")
         return str(json.loads(cluster.cli("run", PROMPT, "-n", TOKENS, "--json").stdout)["text"])
@@ -81,14 +84,16 @@ def test_a_failed_compute_is_retried_in_place_and_nothing_restarts(faulty: Clust
     failed = node(after, name)
     assert failed["compute_failures"] == 1 and failed["compute_status"] is True
     assert all(node(after, f"n{index}")["compute_failures"] == 0 for index in range(3) if f"n{index}" != name)
+    assert failed["compute_retries"] == 1 and failed["last_compute_failure"].startswith("device 0: GGML_STATUS_")
     kinds = [(event["kind"], event["node"]) for event in after["events"]]
-    assert ("compute_failed", name) in kinds and ("compute_retried", name) in kinds
+    assert ("compute-failed", name) in kinds and ("compute-retried", name) in kinds
     log = (faulty.worker_dir(name) / "worker.log").read_text()
     assert "graph compute failed on device 0 (CPU)" in log
     endpoint = after["metrics_endpoint"]
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    assert f'ggml_cluster_compute_failures_total{{node="{name}"}} 1' in metrics
+    found = re.search(rf'^ggml_cluster_node_compute_failures_total{{[^}}]*node="{name}"[^}}]*}} (\S+)$', metrics, re.M)
+    assert found and float(found.group(1)) == 1.0, metrics
 
 
 # A plain llama-cpp-python greedy decode over RPC workers, run in its own process so that its RPC client library
@@ -194,3 +199,62 @@ def test_patched_client_and_stock_worker(workers: Workers, model: Path) -> None:
     assert mixed.returncode == 0, mixed.stderr[-2000:]
     both = plain_client(installed_libdir(), model, [workers.start(patched), workers.start(patched)])
     assert json.loads(mixed.stdout)["text"] == json.loads(both.stdout)["text"]
+
+
+def greedy_run(cluster: Cluster) -> tuple[str, dict]:
+    """Up, one greedy run, the status, down: the text and the status after the run."""
+    cluster.cli("up")
+    try:
+        text = str(json.loads(cluster.cli("run", PROMPT, "-n", TOKENS, "--json").stdout)["text"])
+        return text, cluster.status()
+    finally:
+        cluster.cli("down", check=False)
+
+
+def test_zero_extra_round_trips_the_data_path_is_the_same_with_the_feature_on_and_off(short_tmp: Path) -> None:
+    for arm in ("on", "off"):
+        (short_tmp / arm).mkdir()
+    on = Cluster(short_tmp / "on", nodes=2)
+    off = Cluster(short_tmp / "off", nodes=2, ports=on.ports,
+                  base_env={**os.environ, "GGML_RPC_COMPUTE_STATUS": "0"})  # the client keeps the stock protocol
+    text_on, status_on = greedy_run(on)
+    text_off, status_off = greedy_run(off)
+    assert text_on == text_off
+    for name in ("n0", "n1"):
+        seen_on, seen_off = node(status_on, name)["session"], node(status_off, name)["session"]
+        assert seen_on["counts"].get("COMPUTE_STATUS") == 1 and "COMPUTE_STATUS" not in seen_off["counts"]
+        # the same requests in the same order (the opt-in aside), so not one more answer to wait for ...
+        assert (seen_on["commands"], seen_on["digest"]) == (seen_off["commands"], seen_off["digest"]), name
+        assert seen_on["counts"]["GRAPH_COMPUTE"] + seen_on["counts"].get("GRAPH_RECOMPUTE", 0) >= int(TOKENS)
+        # ... and the same bytes back: on success the answers are the stock format
+        assert seen_on["bytes_from"] == seen_off["bytes_from"], name
+        assert seen_on["bytes_to"] - seen_off["bytes_to"] == 1 + 8 + 4  # the one-way opt-in: cmd, size, flags
+        assert node(status_on, name)["compute_status"] is True
+
+
+def test_a_cluster_with_a_stock_worker_works_and_says_which_nodes_report_failed_computes(
+        short_tmp: Path, expected_two: str) -> None:
+    mixed = Cluster(short_tmp, nodes=2, extra={1: [f"build: {{path: {stock_worker().path}}}"]})
+    text, status = greedy_run(mixed)
+    assert text == expected_two
+    assert node(status, "n0")["compute_status"] is True and node(status, "n1")["compute_status"] is False
+    assert "COMPUTE_STATUS" not in node(status, "n1")["session"]["counts"]
+
+
+@pytest.fixture(scope="module")
+def expected_two() -> str:
+    """The greedy text of a 2-worker cluster of patched workers."""
+    return greedy_run(Cluster(Path(tempfile.mkdtemp(prefix="gct-", dir="/tmp")), nodes=2))[0]
+
+
+@pytest.mark.parametrize("faulty", [(2, FIFTH + "+")], indirect=True, ids=["last-always-fails"])
+def test_a_failure_that_persists_takes_the_restart_path_and_the_text_is_unchanged(
+        faulty: Cluster, expected: str) -> None:
+    coordinator = faulty.status()["coordinator"]["pid"]
+    result = faulty.cli("run", PROMPT, "-n", TOKENS, "--json")
+    assert json.loads(result.stdout)["text"] == expected
+    status = faulty.status()
+    assert status["coordinator"]["pid"] != coordinator and status["recoveries"] >= 1
+    failing = node(status, "n2")
+    assert failing["restarts"] >= 1 and failing["compute_failures"] >= len(RETRY_DELAYS_S) + 1
+    assert "persistent compute failure on n2" in result.stderr
