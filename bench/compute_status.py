@@ -83,10 +83,13 @@ def main() -> None:
     retried: list[float] = []
     killed: list[float] = []
     try:
-        for _ in range(args.rounds):
-            for name, cluster in (("patched", patched), ("stock", stock)):
+        for round_ in range(args.rounds):
+            arms = [("patched", patched), ("stock", stock)]
+            for name, cluster in arms if round_ % 2 == 0 else arms[::-1]:  # neither always first: drift hits both
                 cluster.cli("up")
                 rates[name].append(decode_rate(cluster, args.tokens))
+                negotiated = [item["session"]["counts"].get("COMPUTE_STATUS", 0) for item in cluster.status()["nodes"]]
+                assert negotiated == ([1, 1] if name == "patched" else [0, 0]), (name, negotiated)  # what it says
                 cluster.cli("down")
         # The prompt is compute 1 and token n is compute n (its logits come from the step of token n - 1).
         failing = Cluster(root / "failing", nodes=2, top=top, ports=patched.ports,
@@ -94,6 +97,9 @@ def main() -> None:
         for _ in range(args.rounds):
             failing.cli("up")
             retried.append(fault_gap(asyncio.run(token_times(failing, args.tokens)), FAULT_TOKEN))
+            hit = [(item["compute_failures"], item["compute_retries"], item["restarts"])
+                   for item in failing.status()["nodes"]]
+            assert hit == [(0, 0, 0), (1, 1, 0)], hit  # one failure, retried in place, nothing restarted
             failing.cli("down")
             patched.cli("up")
             victim = patched.worker_pid("n1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import pytest
 from core.engine.coordinator import RETRY_DELAYS_S
 from core.model import write_demo_model
 from core.nodes.build import worker_binary
-from tests.harness import Cluster, alive, free_port, listening
+from tests.harness import Cluster, alive, free_port, listening, run_with_fault
 from tests.stock import installed_libdir, stock_client_libdir, stock_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -258,3 +259,15 @@ def test_a_failure_that_persists_takes_the_restart_path_and_the_text_is_unchange
     failing = node(status, "n2")
     assert failing["restarts"] >= 1 and failing["compute_failures"] >= len(RETRY_DELAYS_S) + 1
     assert "persistent compute failure on n2" in result.stderr
+
+
+@pytest.mark.parametrize("faulty", [(1, "1000")], indirect=True, ids=["no-fault"])
+def test_a_lost_worker_still_takes_the_restart_path_and_the_abort_names_endpoint_and_command(
+        faulty: Cluster, expected: str) -> None:
+    victim = faulty.worker_pid("n1")
+    result, text, _ = run_with_fault(faulty, PROMPT, TOKENS, lambda: os.kill(victim, signal.SIGKILL))
+    assert result.returncode == 0, result.stderr
+    assert text == expected + "\n"
+    log = (faulty.state / "coordinator.log").read_text(errors="replace")
+    assert re.search(r"Remote RPC server crashed or returned malformed response: 127\.0\.0\.1:\d+, during [A-Z_]+ "
+                     r"\(command \d+\)", log), log[-3000:]
