@@ -95,6 +95,7 @@ class NodeStatus:
     compute_ms_total: float = 0.0     # the sum of those times, and how many: a mean over any window
     computes_timed: int = 0
     link: str = ""                    # the coordinator's connection: connected | idle | direct (not observed)
+    connections: int = 0              # coordinator connections the relay has carried (a reconnect adds one)
     endpoint: str = ""                # the worker as the controller reaches it (an SSH forward, or direct)
     cpu_percent: float | None = None  # the worker process, sampled on its node (100 = one core)
     rss: int | None = None            # the worker's resident memory, bytes

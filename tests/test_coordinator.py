@@ -16,8 +16,11 @@ import pytest
 
 from core.engine.coordinator import (
     NO_CHAT_TEMPLATE,
+    RETRY_DELAYS_S,
+    ComputeFailure,
     CoordinatorConfig,
     Generator,
+    PersistentComputeFailure,
     RequestIds,
     chat_format,
     load_chat,
@@ -57,6 +60,8 @@ class FakeLlama:
         self.logits = np.zeros(n_vocab, dtype=np.float32)
         self.logits[5] = 1.0  # greedy always picks token 5
         self.evals: list[list[int]] = []
+        self.n_tokens = 0
+        self.fail_evals: set[int] = set()  # these evals (by index) raise, as llama_decode's error does
         self.ctx = object()
         self.model = object()
         self.metadata: dict[str, str] = {}
@@ -76,9 +81,13 @@ class FakeLlama:
 
     def reset(self) -> None:
         self.evals.clear()
+        self.n_tokens = 0
 
     def eval(self, tokens: list[int]) -> None:
         self.evals.append(list(tokens))
+        if len(self.evals) - 1 in self.fail_evals:
+            raise RuntimeError("llama_decode returned -3")
+        self.n_tokens += len(tokens)
         self.ready_at = time.monotonic() + self.graph_s
 
 
@@ -102,9 +111,26 @@ class FakeLib:
         return self.llm.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
 
 
-def generator(llm: FakeLlama) -> Generator:
+class FakeComputeStatus:
+    """The patched RPC client's failure record: reports a failure after the evals (by index) in ``failing``."""
+
+    def __init__(self, llm: FakeLlama, failing: set[int]) -> None:
+        self.llm = llm
+        self.failing = failing
+        self.taken: set[int] = set()
+
+    def take(self) -> ComputeFailure | None:
+        step = len(self.llm.evals) - 1
+        if step in self.failing and step not in self.taken:
+            self.taken.add(step)
+            return ComputeFailure("127.0.0.1:50052", 0, -1, 1)
+        return None
+
+
+def generator(llm: FakeLlama, failing: set[int] | None = None) -> Generator:
     """A Generator over the fake model, as the coordinator builds one over a loaded model."""
-    return Generator(llm, FakeLib(llm))
+    compute = FakeComputeStatus(llm, failing) if failing is not None else None
+    return Generator(llm, FakeLib(llm), compute=compute)  # type: ignore[arg-type]
 
 
 def run(made: Generator, **request: Any) -> list[Answer]:
@@ -240,3 +266,46 @@ def test_a_chat_without_any_template_is_refused_with_the_fix() -> None:
     events = run(generator(FakeLlama()), messages=CHAT)
     assert events == [Failed(f"cannot render the chat: {NO_CHAT_TEMPLATE}", 7)]
     assert "chat_template" in NO_CHAT_TEMPLATE
+
+
+def test_a_step_reported_failed_with_its_logits_is_retried_in_place_and_the_text_is_unchanged() -> None:
+    clean = run(generator(FakeLlama()), prompt_tokens=[1, 2, 3], max_tokens=4)
+    llm = FakeLlama()
+    events = run(generator(llm, failing={2}), prompt_tokens=[1, 2, 3], max_tokens=4)  # eval 2: the 2nd token's step
+    assert [event for event in events if isinstance(event, Token)] == [
+        event for event in clean if isinstance(event, Token)]
+    assert llm.evals == [[1, 2, 3], [5], [5], [5], [5]]  # the failed step once more, nothing else
+    assert llm.n_tokens == 6  # its first, failed, evaluation was undone: prompt + 3 steps
+    failed = [event for event in events if isinstance(event, ComputeFailed | ComputeRetried)]
+    assert len(failed) == 2 and isinstance(failed[0], ComputeFailed) and isinstance(failed[1], ComputeRetried)
+    assert (failed[0].endpoint, failed[0].status, failed[0].attempt, failed[0].id, failed[0].persistent) == (
+        "127.0.0.1:50052", -1, 1, 7, False)
+    assert failed[1].attempts == 1 and failed[1].retry_ms >= 0 and failed[1].id == 7
+
+
+def test_a_step_that_llama_decode_reports_failed_is_retried_in_place() -> None:
+    llm = FakeLlama()
+    llm.fail_evals = {0}
+    events = run(generator(llm, failing={0}), prompt_tokens=[1, 2, 3], max_tokens=2)
+    assert llm.evals[:2] == [[1, 2, 3], [1, 2, 3]]
+    assert isinstance(events[-1], Done) and events[-1].completion_tokens == 2
+
+
+def test_a_decode_error_that_no_worker_reported_is_not_retried() -> None:
+    llm = FakeLlama()
+    llm.fail_evals = {0}
+    with pytest.raises(RuntimeError, match="llama_decode returned -3"):
+        run(generator(llm, failing=set()), prompt_tokens=[1, 2, 3], max_tokens=2)
+    assert llm.evals == [[1, 2, 3]]
+
+
+def test_a_failure_that_persists_gives_up_after_the_retries_for_the_restart_path() -> None:
+    llm = FakeLlama()
+    made = generator(llm, failing=set(range(100)))
+    out = io.StringIO()
+    with pytest.raises(PersistentComputeFailure):
+        made.generate(Generate(7, 4, prompt_tokens=[1, 2, 3]), out)
+    failed = [decode_answer(line) for line in out.getvalue().splitlines()]
+    failed = [event for event in failed if isinstance(event, ComputeFailed)]
+    assert [event.attempt for event in failed] == list(range(1, len(RETRY_DELAYS_S) + 2))
+    assert [event.persistent for event in failed] == [False] * len(RETRY_DELAYS_S) + [True]

@@ -308,6 +308,7 @@ class Fleet:
                 status.bytes_to, status.bytes_from = seen.bytes_to, seen.bytes_from
                 status.compute_ms, status.link = seen.compute_ms, "connected" if seen.connected else "idle"
                 status.compute_ms_total, status.computes_timed = seen.compute_ms_total, seen.computes_timed
+                status.connections = seen.connections
                 status.session = seen.session.status() if seen.session is not None else None
             elif runtime.relayed is not None:
                 status.link = "direct"

@@ -32,8 +32,11 @@ from typing import IO, Any
 import numpy as np
 
 from core.engine.protocol import (
+    EXIT_COMPUTE_FAILED,
     Answer,
     Cancel,
+    ComputeFailed,
+    ComputeRetried,
     Done,
     Failed,
     Generate,
@@ -57,6 +60,9 @@ FLASH_ATTENTION = True
 # Where llama-cpp-python loads its libraries from, instead of its own lib/ folder.
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
+# A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
+# fault, such as a device briefly out of memory, may need a moment); then the controller's restart path takes over.
+RETRY_DELAYS_S = (0.0, 0.01, 0.1)
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,54 @@ def load_chat(llm: Any, config: CoordinatorConfig) -> Chat | None:
     return Chat(formatter, bos_text)
 
 
-def register_rpc_servers(endpoints: tuple[str, ...]) -> None:
+@dataclass(frozen=True)
+class ComputeFailure:
+    """A failed graph compute that a worker reported (ggml-cluster's patch on ggml-rpc)."""
+
+    endpoint: str
+    device: int
+    status: int  # enum ggml_status
+    failures: int
+
+
+class _CFailure(ctypes.Structure):
+    _fields_ = [("endpoint", ctypes.c_char * 128), ("device", ctypes.c_uint32), ("status", ctypes.c_int32),
+                ("failures", ctypes.c_uint32)]  # struct ggml_backend_rpc_compute_failure
+
+
+class ComputeStatus:
+    """The RPC client's record of failed computes reported by the workers, taken after each step.
+
+    A llama-cpp-python built without the patch has no such record: then a failed compute kills the worker and
+    this process, as in stock ggml-rpc, and the controller's restart path recovers.
+    """
+
+    def __init__(self, rpc: ctypes.CDLL) -> None:
+        self._take = getattr(rpc, "ggml_backend_rpc_take_compute_failure", None)
+        if self._take is not None:
+            self._take.argtypes = [ctypes.POINTER(_CFailure)]
+            self._take.restype = ctypes.c_bool
+
+    @property
+    def available(self) -> bool:
+        """Whether this llama-cpp-python reports failed computes."""
+        return self._take is not None
+
+    def take(self) -> ComputeFailure | None:
+        """The failure reported since the previous call, if any (an in-process read: no network)."""
+        if self._take is None:
+            return None
+        found = _CFailure()
+        if not self._take(ctypes.byref(found)):
+            return None
+        return ComputeFailure(found.endpoint.decode(errors="replace"), found.device, found.status, found.failures)
+
+
+class PersistentComputeFailure(RuntimeError):
+    """A step kept failing after every retry in place."""
+
+
+def register_rpc_servers(endpoints: tuple[str, ...]) -> ComputeStatus:
     """Register each endpoint as an RPC backend in llama-cpp-python's own ggml registry.
 
     llama-cpp-python ignores its `rpc_servers` argument. Load the soname files (libggml.so.0): the
@@ -168,6 +221,7 @@ def register_rpc_servers(endpoints: tuple[str, ...]) -> None:
         if not registry:
             raise RuntimeError(f"ggml_backend_rpc_add_server({endpoint}) returned no backend")
         ggml.ggml_backend_register(registry)
+    return ComputeStatus(rpc)
 
 
 def last_logits(lib: Any, llm: Any, n_vocab: int) -> np.ndarray:
@@ -196,18 +250,19 @@ def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generato
 class Generator:
     """Runs one request at a time on a loaded model."""
 
-    def __init__(self, llm: Any, lib: Any, chat: Chat | None = None) -> None:
+    def __init__(self, llm: Any, lib: Any, chat: Chat | None = None, compute: ComputeStatus | None = None) -> None:
         """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: how chats become
-        prompts, or None (chats are refused)."""
+        prompts, or None (chats are refused); ``compute``: the workers' reported compute failures."""
         self.requests = RequestIds()
         self.llm = llm
         self._lib = lib
         self.chat = chat
+        self.compute = compute
         self.vocab = lib.llama_model_get_vocab(llm.model)
         self.n_vocab = llm.n_vocab()
 
     @classmethod
-    def load(cls, config: CoordinatorConfig) -> Generator:
+    def load(cls, config: CoordinatorConfig, compute: ComputeStatus | None = None) -> Generator:
         """Load the model across the registered RPC devices."""
         import llama_cpp
 
@@ -215,7 +270,7 @@ class Generator:
             model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
             n_ctx=config.context, n_threads=config.threads, n_threads_batch=config.threads,
             flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
-        return cls(llm, llama_cpp, load_chat(llm, config))
+        return cls(llm, llama_cpp, load_chat(llm, config), compute)
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -228,6 +283,42 @@ class Generator:
             # A template that writes the BOS text itself must not get a second one from the tokenizer.
             return list(self.llm.tokenize(text.encode(), add_bos=not (bos and text.startswith(bos)), special=True))
         return list(self.llm.tokenize((request.prompt or "").encode(), add_bos=True, special=False))
+
+    def step(self, tokens: list[int], rid: int, out: IO[str]) -> None:
+        """Evaluate ``tokens`` (one batch); a step a worker reports failed is retried in place.
+
+        The failure is read once the step's outputs are in (a failure on the last device arrives with the
+        logits), before anything is sampled from them. llama_decode has dropped the KV cells of a step it saw fail;
+        one that returned before the report is undone here: eval drops every cell from n_tokens on.
+        """
+        llm = self.llm
+        first_seen: float | None = None
+        failed_on = ""
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            start = llm.n_tokens
+            error: RuntimeError | None = None
+            try:
+                llm.eval(tokens)
+            except RuntimeError as exc:  # llama_decode's status: a device of this step failed
+                error = exc
+            self._lib.llama_synchronize(llm.ctx)  # what reading the logits waits for anyway
+            failure = self.compute.take() if self.compute is not None else None
+            if failure is None:
+                if error is not None:
+                    raise error
+                if first_seen is not None:
+                    emit(out, ComputeRetried(failed_on, attempt,
+                                             (time.perf_counter() - first_seen) * 1000, rid))
+                return
+            first_seen = first_seen or time.perf_counter()
+            failed_on = failure.endpoint
+            llm.n_tokens = start
+            persistent = attempt == len(RETRY_DELAYS_S)
+            emit(out, ComputeFailed(failure.endpoint, failure.device, failure.status, failure.failures, attempt + 1,
+                                    rid, persistent))
+            if persistent:
+                raise PersistentComputeFailure(f"{failure.endpoint} failed the same step {attempt + 1} times")
+            time.sleep(RETRY_DELAYS_S[attempt])
 
     def generate(self, request: Generate, out: IO[str]) -> None:
         """Run one request, writing its answers to ``out``."""
@@ -251,7 +342,7 @@ class Generator:
         # The batches Llama.eval itself would make (n_batch), one call each, so that progress shows between them.
         batch = llm.n_batch
         for start in range(0, len(prompt_tokens), batch):
-            llm.eval(prompt_tokens[start:start + batch])
+            self.step(prompt_tokens[start:start + batch], rid, out)
             emit(out, Progress(rid, "prompt", min(start + batch, len(prompt_tokens)), len(prompt_tokens)))
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reported = time.perf_counter()
@@ -259,7 +350,7 @@ class Generator:
             if rng is not None:
                 rng.random()  # the draw this token consumed when it was first sampled
             decoder.decode(llm.detokenize([token]))
-            llm.eval([token])
+            self.step([token], rid, out)
             if index == len(replay) or time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
                 emit(out, Progress(rid, "replay", index, len(replay)))
                 reported = time.perf_counter()
@@ -279,7 +370,7 @@ class Generator:
             generated += 1
             emit(out, Token(rid, token, decoder.decode(llm.detokenize([token]))))
             if generated < budget:
-                llm.eval([token])
+                self.step([token], rid, out)
         tail = decoder.decode(b"", final=True)
         finished = time.perf_counter()
         emit(out, Done(rid, reason, tail, prompt_tokens=len(prompt_tokens), replayed_tokens=len(replay),
@@ -353,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout
     started = time.perf_counter()
     try:
-        register_rpc_servers(config.endpoints)
-        generator = Generator.load(config)
+        compute = register_rpc_servers(config.endpoints)
+        generator = Generator.load(config, compute)
     except (RuntimeError, ValueError, OSError) as exc:
         emit(out, Failed(f"cannot load the model: {exc}"))
         return 1
@@ -367,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(request, Generate):
             try:
                 generator.generate(request, out)
+            except PersistentComputeFailure:
+                return EXIT_COMPUTE_FAILED  # the controller restarts the worker and this process, then replays
             except (RuntimeError, ValueError) as exc:
                 emit(out, Failed(str(exc), request.id))
             finally:
