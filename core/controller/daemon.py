@@ -133,7 +133,7 @@ class Controller:
 
     async def reprofile(self) -> None:
         """Measure the nodes again, re-plan and restart the coordinator, between requests."""
-        async with self.requests.lock:
+        async with self.requests.lock.alone():
             self.placement.remeasure = True
             loads = self.supervisor.loads
             self.supervisor.restart("measuring the nodes again and re-planning")
@@ -191,7 +191,7 @@ class Controller:
 
     async def _replan_when_idle(self, name: str) -> None:
         """A node the plan left out is back: re-plan to use it, between requests."""
-        async with self.requests.lock:
+        async with self.requests.lock.alone():
             if self.placement.left_out(name) and self.nodes[name].ready.is_set() and self.supervisor.ready.is_set():
                 loads = self.supervisor.loads
                 self.supervisor.restart(f"{name} is back; re-planning to use it")
