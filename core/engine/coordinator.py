@@ -306,13 +306,13 @@ class Generator:
         seed, temperature = request.seed, request.temperature
         rng = np.random.default_rng(seed % (1 << 64) if isinstance(seed, int) else None) if temperature > 0 else None
 
-        def draw() -> None:
+        def replayed(_token: int) -> None:
             if rng is not None:
                 rng.random()  # the draw a replayed token consumed when it was first sampled
 
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
-                    choose=lambda logits: choose_token(logits, temperature, rng), draw=draw)
+                    choose=lambda logits: choose_token(logits, temperature, rng), replayed=replayed)
 
 
 class LlamaEngine:

@@ -129,11 +129,11 @@ class Slot:
     prompt: list[int]
     budget: int                # new tokens it may still generate
     choose: Choose
-    draw: Callable[[], None]   # consume the random draw a replayed token consumed when first sampled
+    replayed: Callable[[int], None]  # a replayed token, for the sampler's state (its random draw, its history)
     started: float = field(default_factory=time.perf_counter)
     n_past: int = 0            # tokens in its KV cells
     evaluated: int = 0         # of the prompt
-    replayed: int = 0          # of request.replay
+    done_replaying: int = 0    # of request.replay
     pending: int | None = None  # the token it generated last, to evaluate next
     generated: int = 0
     prompt_done: float | None = None
@@ -224,9 +224,9 @@ class Scheduler:
         for slot in active:
             if slot.prompting:
                 continue
-            if slot.replayed < len(slot.request.replay):
-                token = slot.request.replay[slot.replayed]
-                last = slot.replayed == len(slot.request.replay) - 1
+            if slot.done_replaying < len(slot.request.replay):
+                token = slot.request.replay[slot.done_replaying]
+                last = slot.done_replaying == len(slot.request.replay) - 1
                 planned.append(_Planned(slot, len(entries), "replay"))
                 entries.append(Entry(token, slot.n_past, slot.seq, last))
             elif slot.pending is not None:
@@ -284,15 +284,15 @@ class Scheduler:
             if slot.request.replay:
                 return  # its replay starts with the next step
         elif plan.kind == "replay":
-            token = slot.request.replay[slot.replayed]
-            slot.replayed += 1
-            slot.draw()
+            token = slot.request.replay[slot.done_replaying]
+            slot.done_replaying += 1
+            slot.replayed(token)
             slot.decoder.decode(self.engine.text(token))
             total = len(slot.request.replay)
-            if slot.replayed == total or time.perf_counter() - slot.reported >= PROGRESS_INTERVAL_S:
-                self.emit(Progress(slot.rid, "replay", slot.replayed, total))
+            if slot.done_replaying == total or time.perf_counter() - slot.reported >= PROGRESS_INTERVAL_S:
+                self.emit(Progress(slot.rid, "replay", slot.done_replaying, total))
                 slot.reported = time.perf_counter()
-            if slot.replayed < total:
+            if slot.done_replaying < total:
                 return
         if slot.prompt_done is None:
             slot.prompt_done = time.perf_counter()
