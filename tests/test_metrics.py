@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from core.endpoints.prometheus import families
+from core.endpoints.prometheus import families, serve_metrics
 from core.nodes.gpus import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
 from core.nodes.sample import Sample, Usage, cpu_percent, parse_proc, parse_ps, parse_sample, sample_command, usage
 from core.state import PidRecord
@@ -138,3 +141,35 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
     assert samples[("ggml_cluster_requests_total", (("cluster", "lab"),))] == 3
     assert samples[("ggml_cluster_decode_tokens_per_second", (("cluster", "lab"),))] == 12.5
     assert ("ggml_cluster_prompt_tokens_per_second", (("cluster", "lab"),)) not in samples
+
+
+KEY = "k" * 8 + "0123456789abcdef"
+
+
+def test_with_a_key_the_metrics_endpoint_answers_only_a_bearer_that_carries_it() -> None:
+    def scrape(address: str, authorization: str | None) -> tuple[int, str, str | None]:
+        request = urllib.request.Request(f"http://{address}/metrics")
+        if authorization is not None:
+            request.add_header("Authorization", authorization)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read().decode(), None
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode(), error.headers["WWW-Authenticate"]
+
+    async def main() -> list[tuple[int, str, str | None]]:
+        server = serve_metrics("127.0.0.1", 0, snapshot, asyncio.get_running_loop(), KEY)
+        open_server = serve_metrics("127.0.0.1", 0, snapshot, asyncio.get_running_loop(), None)
+        try:
+            return [await asyncio.to_thread(scrape, server.address, header)
+                    for header in (None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}", f"bearer  {KEY}")] + \
+                   [await asyncio.to_thread(scrape, open_server.address, None)]
+        finally:
+            server.close()
+            open_server.close()
+
+    missing, wrong, basic, right, any_case, unguarded = asyncio.run(main())
+    for refused in (missing, wrong, basic):
+        assert refused[0] == 401 and refused[2] == "Bearer" and "ggml_cluster" not in refused[1]
+    for answered in (right, any_case, unguarded):
+        assert answered[0] == 200 and 'ggml_cluster_requests_total{cluster="lab"} 3.0' in answered[1]

@@ -95,8 +95,8 @@ class Controller:
         return self.inventory.context
 
     def fingerprint(self) -> str:
-        """Identity of what this controller runs: its inventory and launch files."""
-        return self.state.fingerprint()
+        """Identity of what this controller runs: its inventory and launch files, and the API key it read."""
+        return self.state.fingerprint(self.inventory.api_key)
 
     def serving(self) -> bool:
         """Whether it runs on (False once it has shut down)."""
@@ -228,7 +228,7 @@ async def _serve_api(controller: Controller) -> None:
     """Start the OpenAI-compatible API; a port in use is an event and a warning, not a reason to stop."""
     settings = controller.inventory.api
     try:
-        controller.api = await serve_api(controller, settings.host, settings.port)
+        controller.api = await serve_api(controller, settings.host, settings.port, controller.inventory.api_key)
     except OSError as exc:
         controller.record("api-failed", f"no API endpoint: cannot listen on {settings.host}:{settings.port} "
                           f"({exc.strerror or exc}); fix: set api.port (0: any free port)")
@@ -242,7 +242,8 @@ def _serve_metrics(controller: Controller, loop: asyncio.AbstractEventLoop) -> N
     if not settings.enabled:
         return
     try:
-        controller.metrics = serve_metrics(settings.host, settings.port, controller.snapshot, loop)
+        controller.metrics = serve_metrics(settings.host, settings.port, controller.snapshot, loop,
+                                           controller.inventory.api_key)
     except OSError as exc:
         controller.record("metrics-failed", f"no metrics endpoint: cannot listen on {settings.host}:{settings.port} "
                           f"({exc.strerror or exc}); fix: set metrics.port (0: any free port) or "
