@@ -1,12 +1,17 @@
-"""The API key at the HTTP edge: the middleware against a stand-in Service, then the official `openai` client
-against a real cluster with a key."""
+"""The API key and the queue bound at the HTTP edge: the middleware against a stand-in Service, then the official
+`openai` client against a real cluster with a key and no queue."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import os
 import shutil
+import signal
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +24,7 @@ import pytest
 
 import core.endpoints.auth
 from core.endpoints.api import serve_api
+from core.errors import Busy
 from core.service import GenerateRequest, Send
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus
 from tests.harness import Cluster
@@ -29,11 +35,12 @@ OPENAI_401 = {"message": "no API key provided: send it as 'Authorization: Bearer
 
 
 class Stand:
-    """The Service as the API uses it: a context, a snapshot, and a generate that answers."""
+    """The Service as the API uses it: a context, a snapshot, and a generate that answers or is busy."""
 
     context = 512
 
-    def __init__(self) -> None:
+    def __init__(self, busy: Busy | None = None) -> None:
+        self.busy = busy
         self.requests: list[GenerateRequest] = []
 
     def snapshot(self) -> ClusterStatus:
@@ -42,6 +49,8 @@ class Stand:
 
     async def generate(self, request: GenerateRequest, send: Send) -> None:
         self.requests.append(request)
+        if self.busy is not None:
+            raise self.busy
         await send({"event": "token", "text": "hi"})
         await send({"event": "done", "reason": "length", "prompt_tokens": 1, "completion_tokens": 1})
 
@@ -109,16 +118,41 @@ def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
     assert compared == [(b"guess", KEY.encode()), ("güess".encode(), KEY.encode()), (KEY.encode(), KEY.encode())]
 
 
+def test_busy_is_a_503_with_retry_after_in_openais_error_shape() -> None:
+    busy = Busy("the cluster is busy: 1/1 slots generating, 0/0 queued (api.queue)", 7)
+    [(status, headers, body)] = asyncio.run(exchange(Stand(busy), None, [("POST", "/v1/completions", {})]))
+    assert status == 503 and headers["Retry-After"] == "7"
+    assert body == {"error": {"message": "the cluster is busy: 1/1 slots generating, 0/0 queued (api.queue) "
+                                         "(retry in 7s)", "type": "server_error", "param": None, "code": "server_busy"}}
+
+
+def test_a_streamed_request_that_finds_the_cluster_busy_gets_the_503_too() -> None:
+    service = Stand(Busy("the cluster is busy", 3))
+
+    async def post() -> tuple[int, str | None, Any]:
+        server = await serve_api(service, "127.0.0.1", 0, None)  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as session, session.post(
+                    f"http://{server.address}/v1/completions",
+                    json={"prompt": "x", "max_tokens": 4, "stream": True}) as response:
+                return response.status, response.headers.get("Retry-After"), await response.json()
+        finally:
+            await server.close()
+
+    status, retry_after, body = asyncio.run(post())
+    assert (status, retry_after, body["error"]["code"]) == (503, "3", "server_busy")
+
+
 # --- a real cluster, the official client -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[Cluster]:
-    """A 2-worker cluster whose API and metrics need KEY."""
+    """A 2-worker cluster whose API and metrics need KEY, and whose queue holds nobody."""
     root = Path(tempfile.mkdtemp(prefix="gck-", dir="/tmp"))
     (root / "api.key").write_text(KEY + "\n")
     (root / "api.key").chmod(0o600)
-    cluster = Cluster(root, nodes=2, api="{port: 0, key_file: api.key}")
+    cluster = Cluster(root, nodes=2, api="{port: 0, key_file: api.key, queue: 0}")
     cluster.cli("up")
     yield cluster
     cluster.cli("down", check=False)
@@ -126,6 +160,7 @@ def keyed() -> Iterator[Cluster]:
 
 
 def client(cluster: Cluster, key: str) -> openai.OpenAI:
+    # max_retries=0: the client would otherwise retry a 503, honouring its Retry-After.
     return openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key=key, max_retries=0,
                          timeout=120)
 
@@ -156,7 +191,47 @@ def test_the_official_client_needs_the_key(keyed: Cluster) -> None:
         urllib.request.urlopen(metrics, timeout=10)
     assert http.value.code == 401
     with urllib.request.urlopen(urllib.request.Request(metrics, headers=bearer(KEY)), timeout=10) as response:
-        assert "ggml_cluster_requests_total" in response.read().decode()
+        assert "ggml_cluster_queue_limit" in response.read().decode()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_full_queue_is_a_503_with_retry_after_and_run_says_busy(keyed: Cluster) -> None:
+    api = client(keyed, KEY)
+    expected = api.completions.create(model="any", prompt="The cluster", max_tokens=64, temperature=0)
+    # One request holds the only slot: its worker is stopped, so it cannot finish while the others arrive.
+    worker = keyed.worker_pid("n0")
+    rejected = keyed.status()["requests_rejected"]
+    signal_worker(worker, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(api.completions.create, model="any", prompt="The cluster", max_tokens=64,
+                               temperature=0, stream=True)
+            deadline = time.monotonic() + 30
+            while keyed.status()["slots_busy"] == 0:
+                assert time.monotonic() < deadline, "the held request never took its slot"
+                time.sleep(0.1)
+
+            with pytest.raises(openai.InternalServerError) as caught:
+                api.completions.create(model="any", prompt="The cluster", max_tokens=8, temperature=0)
+            assert caught.value.status_code == 503 and caught.value.code == "server_busy"
+            assert int(caught.value.response.headers["Retry-After"]) >= 1
+            assert "the cluster is busy" in caught.value.message
+
+            refused = keyed.cli("run", "The cluster", "-n", "8", check=False)
+            assert refused.returncode == 1
+            assert refused.stderr.strip().startswith("error: the cluster is busy: 1/1 slots generating, 0/0 queued")
+            assert "retry in " in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+            status = keyed.status()
+            assert (status["slots_busy"], status["slots"], status["queue_length"], status["queue_limit"]) == \
+                (1, 1, 0, 0)
+            assert status["requests_rejected"] == rejected + 2
+
+            signal_worker(worker, signal.SIGCONT)
+            text = "".join(chunk.choices[0].text for chunk in held.result(timeout=120))
+    finally:
+        signal_worker(worker, signal.SIGCONT)
+    assert text == expected.choices[0].text  # the held request finished whole
 
 
 @pytest.mark.integration
@@ -173,3 +248,8 @@ def test_up_with_a_new_key_restarts_the_api_with_it(keyed: Cluster) -> None:
     assert "already up" in keyed.cli("up").stderr
     assert not any(rotated in path.read_text(errors="replace") for path in keyed.state.rglob("*")
                    if path.is_file() and path.stat().st_size < 1 << 20)
+
+
+def signal_worker(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)

@@ -2,8 +2,8 @@
 
 `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events, or whole), `/v1/models`,
 `/health`. Every request goes through `Service.generate`, the path `ggml-cluster run` takes: requests
-queue first come, first served, and one in flight when a node fails is resumed like any other. With an API key,
-every route but `/health` needs it as a Bearer token.
+queue first come, first served (one beyond the queue's bound is a 503 with Retry-After), and one in flight when
+a node fails is resumed like any other. With an API key, every route but `/health` needs it as a Bearer token.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.endpoints.auth import bearer_matches
-from core.errors import ClusterError, PromptError
+from core.errors import Busy, ClusterError, PromptError
 from core.service import GenerateRequest, Service
 from core.status import CoordinatorState
 
@@ -76,6 +76,14 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 def _fail(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, kind, param), status=status)
+
+
+def _unavailable(exc: ClusterError) -> web.Response:
+    """503: the cluster cannot serve now; when it is only busy, Retry-After says when to come back."""
+    if isinstance(exc, Busy):
+        return web.json_response(error_body(str(exc), "server_error", code="server_busy"), status=503,
+                                 headers={"Retry-After": str(exc.retry_after)})
+    return _fail(503, str(exc), "server_error")
 
 
 def _authenticate(key: str) -> Middleware:
@@ -200,7 +208,7 @@ class _Api:
         except PromptError as exc:
             return _fail(400, str(exc), "invalid_request_error")
         except ClusterError as exc:
-            return _fail(503, str(exc), "server_error")
+            return _unavailable(exc)
         text, reason = "".join(texts), _finish_reason(done)
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
                                    "finish_reason": reason, "logprobs": None} if chat else
@@ -237,8 +245,8 @@ class _Api:
             await self.service.generate(job, relay)
         except ClusterError as exc:
             if not response.prepared:  # nothing sent yet: a plain error response with its status
-                return _fail(400 if isinstance(exc, PromptError) else 503, str(exc),
-                             "invalid_request_error" if isinstance(exc, PromptError) else "server_error")
+                return _fail(400, str(exc), "invalid_request_error") if isinstance(exc, PromptError) else \
+                    _unavailable(exc)
             await response.write(f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode())
         if not response.prepared:
             await response.prepare(request)

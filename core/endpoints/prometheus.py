@@ -33,11 +33,25 @@ def families(status: ClusterStatus) -> list[Metric]:
             family.add_metric(list(labels.values()), value)
         return family
 
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"{_PREFIX}_{name}", doc, labels=["cluster"])
+        family.add_metric(cluster, value)
+        return family
+
     result: list[Metric] = [
         gauge("up_since_seconds", "When the controller started (Unix time).", status.started_at),
         gauge("requests_in_flight", "Requests generating or queued.", status.requests_in_flight),
+        gauge("slots", "Requests generated at once.", status.slots),
+        gauge("slots_busy", "Slots generating now.", status.slots_busy),
+        gauge("queue_length", "Requests waiting for a slot.", status.queue_length),
+        gauge("queue_limit", "Requests that may wait for a slot (api.queue); one more is refused.",
+              status.queue_limit),
+        counter("requests_deferred", "Requests that waited for a slot.", status.requests_deferred),
+        counter("requests_rejected", "Requests refused because the queue was full (503).", status.requests_rejected),
         gauge("decode_tokens_per_second", "Decode rate of the running request, else of the last one.",
               status.decode_tokens_per_s),
+        gauge("aggregate_decode_tokens_per_second", "Decode rate of every request generating now, together.",
+              status.aggregate_decode_tokens_per_s),
         gauge("prompt_tokens_per_second", "Prompt rate of the last request.", status.prompt_tokens_per_s),
         gauge("predicted_token_seconds", "Time per token the plan predicts.",
               None if status.predicted_ms is None else status.predicted_ms / 1000),
@@ -46,11 +60,8 @@ def families(status: ClusterStatus) -> list[Metric]:
                                     labels=["cluster", "state"])
     for each in CoordinatorState:
         coordinator.add_metric([*cluster, str(each)], float(each == status.coordinator.state))
-    served = CounterMetricFamily(f"{_PREFIX}_requests", "Requests served.", labels=["cluster"])
-    served.add_metric(cluster, status.requests_served)
-    recoveries = CounterMetricFamily(f"{_PREFIX}_recoveries", "Requests resumed after a fault.", labels=["cluster"])
-    recoveries.add_metric(cluster, status.recoveries)
-    result += [coordinator, served, recoveries]
+    result += [coordinator, counter("requests", "Requests served.", status.requests_served),
+               counter("recoveries", "Requests resumed after a fault.", status.recoveries)]
 
     labels = ["cluster", "node"]
     state = GaugeMetricFamily(f"{_PREFIX}_node_state", "1 for the node's current state.",
