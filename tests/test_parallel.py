@@ -26,7 +26,7 @@ TOKENS = 32
 def cluster4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     import tempfile
 
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="gcp-", dir="/tmp")), nodes=2, api="parallel: 4")
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="gcp-", dir="/tmp")), nodes=2, api="{port: 0, parallel: 4}")
     cluster.cli("up")
     yield cluster
     cluster.cli("down", check=False)

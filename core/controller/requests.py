@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 from core.controller.events import EventLog
 from core.controller.supervisor import CoordinatorSupervisor, drain
 from core.engine.protocol import Answer, Cancel, Done, Exited, Failed, Generate, Progress, PromptTokens, Token, encode
-from core.errors import PromptError, RequestError
+from core.errors import Busy, PromptError, RequestError
 from core.service import GenerateRequest, Send
 from core.status import CoordinatorState
 
@@ -25,15 +27,96 @@ RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-faile
                               "node-reconnecting", "node-reconnected"})
 
 
-class Slots:
-    """Up to ``size`` requests at once, or one re-plan alone.
+RECENT_REQUESTS = 8  # the requests whose times estimate when a slot frees up
+
+
+class Admission:
+    """Who generates and who waits: ``slots`` requests at once, then up to ``queue`` more, first come, first
+    served; one more is refused at once (Busy), with an estimate of when a place frees up."""
+
+    def __init__(self, slots: int, queue: int, changed: Callable[[], None]) -> None:
+        """``changed``: called whenever the counts change (it wakes status watchers)."""
+        self.slots = slots
+        self.queue = queue
+        self.changed = changed
+        self.busy = 0      # slots held, a slot handed to a waiter that has not resumed yet included
+        self.deferred = 0  # requests that had to wait for a slot, since the controller started
+        self.rejected = 0  # requests refused because the queue was full
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._started: list[float] = []  # when each request holding a slot got it (monotonic)
+        self._held_s: deque[float] = deque(maxlen=RECENT_REQUESTS)  # how long recent requests held theirs
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiting)
+
+    def retry_after(self) -> int:
+        """Seconds until a place is likely to free up: the recent mean time a request holds its slot, less what
+        the longest-running request has had of it; at least 1."""
+        if not self._held_s or not self._started:
+            return 1
+        mean = sum(self._held_s) / len(self._held_s)
+        return max(1, math.ceil(mean - (time.monotonic() - min(self._started))))
+
+    @contextlib.asynccontextmanager
+    async def place(self) -> AsyncIterator[None]:
+        """Hold a slot for the body: at once when one is free and nobody waits, else once those queued before
+        have theirs; raises Busy when the queue is full."""
+        if self.busy < self.slots and not self._waiting:
+            self.busy += 1
+        elif len(self._waiting) < self.queue:
+            await self._wait()
+        else:
+            self.rejected += 1
+            self.changed()
+            raise Busy(f"the cluster is busy: {self.busy}/{self.slots} slots generating, {self.queued}/{self.queue} "
+                       "queued (api.queue)", self.retry_after())
+        started = time.monotonic()
+        self._started.append(started)
+        self.changed()
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            self._started.remove(started)
+            if finished:  # a refused prompt or a client gone says nothing about how long requests take
+                self._held_s.append(time.monotonic() - started)
+            self._release()
+
+    async def _wait(self) -> None:
+        self.deferred += 1
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        self.changed()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed a slot just as it was cancelled: pass it on
+                self._release()
+            else:
+                self._waiting.remove(turn)
+                self.changed()
+            raise
+
+    def _release(self) -> None:
+        """A slot is free: the first waiter gets it (so that no newcomer takes it first), else it is free."""
+        if self._waiting:
+            self._waiting.popleft().set_result(None)
+        else:
+            self.busy -= 1
+        self.changed()
+
+
+class Turns:
+    """Requests run together (as many as Admission lets in), a re-plan alone.
 
     A readers-writer lock: a re-plan (``alone``) waits until no request runs, and requests that arrive while it
     waits queue behind it, so it is not starved by a steady stream of them.
     """
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self) -> None:
         self.busy = 0
         self._alone = False
         self._waiting_alone = 0
@@ -45,9 +128,9 @@ class Slots:
 
     @contextlib.asynccontextmanager
     async def request(self) -> AsyncIterator[None]:
-        """Hold a slot for one request."""
+        """Run one request (beside others)."""
         async with self._changed:
-            await self._changed.wait_for(lambda: not self._alone and not self._waiting_alone and self.busy < self.size)
+            await self._changed.wait_for(lambda: not self._alone and not self._waiting_alone)
             self.busy += 1
         try:
             yield
@@ -58,7 +141,7 @@ class Slots:
 
     @contextlib.asynccontextmanager
     async def alone(self) -> AsyncIterator[None]:
-        """Hold every slot: nothing else runs meanwhile."""
+        """Run alone: no request runs meanwhile."""
         async with self._changed:
             self._waiting_alone += 1
             try:
@@ -124,16 +207,18 @@ class RequestRunner:
     """Runs requests on the supervisor's coordinator, ``parallel`` at once, with resume, watchdog and cancel."""
 
     def __init__(self, supervisor: CoordinatorSupervisor, log: EventLog, bound_s: float,
-                 failed_nodes: Callable[[], str], parallel: int = 1) -> None:
+                 failed_nodes: Callable[[], str], queue: int, *, parallel: int = 1) -> None:
         """``bound_s``: the watchdog's bound; ``failed_nodes``: why the nodes that are left out are, for a
-        request the cluster cannot serve; ``parallel``: the coordinator's slots."""
+        request the cluster cannot serve; ``queue``: how many requests may wait for a slot; ``parallel``: the
+        coordinator's slots."""
         self.supervisor = supervisor
         self.log = log
         self.bound_s = bound_s
         self.failed_nodes = failed_nodes
-        self.lock = Slots(parallel)  # a slot per request generating; all of them for a re-plan between requests
+        self.lock = Turns()  # requests together; a re-plan between requests alone
         self.served = 0
         self.waiting = 0            # in flight: generating, or queued behind those that are
+        self.admission = Admission(parallel, queue, log.notify)
         self.recoveries = 0
         self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
         self.current: list[RequestProgress] = []  # the requests generating now
@@ -143,17 +228,20 @@ class RequestRunner:
         self._hang: asyncio.Task[str | None] | None = None  # one watchdog look for every attempt that waits
 
     def decode_rate(self) -> float | None:
-        """Tokens/s of the requests generating now (since each one's first token, summed), else of the last."""
-        rates = [(len(current.generated) - 1) / (time.perf_counter() - current.started - current.first_token_s)
-                 for current in self.current if current.first_token_s is not None and len(current.generated) > 1]
-        return sum(rates) if rates else self.rates["decode"]
+        """Tokens/s of the request generating now that started first (since its first token), else of the last."""
+        rates = [rate for rate in map(_decode_rate, self.current) if rate is not None]
+        return rates[0] if rates else self.rates["decode"]
+
+    def aggregate_decode_rate(self) -> float:
+        """Tokens/s of every request generating now, together (0 when none is)."""
+        return sum(rate for rate in map(_decode_rate, self.current) if rate is not None)
 
     async def generate(self, request: GenerateRequest, send: Send) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
         self.waiting += 1
         self.log.notify()
         try:
-            async with self.lock.request():
+            async with self.admission.place(), self.lock.request():
                 progress = RequestProgress()
                 self.current.append(progress)
                 try:
@@ -318,6 +406,13 @@ async def _write(process: asyncio.subprocess.Process, message: Generate | Cancel
         with contextlib.suppress(ConnectionError, RuntimeError):  # it died: its exit is on the way
             process.stdin.write(encode(message))
             await process.stdin.drain()
+
+
+def _decode_rate(progress: RequestProgress) -> float | None:
+    """A request's tokens/s since its first token; None before its second."""
+    if progress.first_token_s is None or len(progress.generated) < 2:
+        return None
+    return (len(progress.generated) - 1) / (time.perf_counter() - progress.started - progress.first_token_s)
 
 
 def _rate(count: int, seconds: float) -> float | None:
