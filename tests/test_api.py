@@ -116,7 +116,7 @@ def streamed_tokens(api: openai.OpenAI, tokens: int) -> list[str]:
     return pieces
 
 
-def test_a_stop_string_across_tokens_ends_the_text_streamed_and_whole(api: openai.OpenAI) -> None:
+def test_a_stop_string_across_tokens_ends_the_text_streamed_and_whole(cluster3: Cluster, api: openai.OpenAI) -> None:
     pieces = streamed_tokens(api, 24)
     # The end of the 6th token and the start of the 7th: never in one token's text.
     stop = pieces[5][-3:] + pieces[6][:3]
@@ -129,6 +129,9 @@ def test_a_stop_string_across_tokens_ends_the_text_streamed_and_whole(api: opena
     assert "".join(texts) == before and all(stop[:4] not in text for text in texts)
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+    run = json.loads(cluster3.cli("run", PROMPT, "--json", "-n", "24", "--top-k", "1", "--stop", "never in this text",
+                                  "--stop", stop).stdout)  # `run` takes the same path
+    assert (run["text"], run["reason"], run["completion_tokens"]) == (before, "stop", 7)
     chat_pieces = [chunk.choices[0].delta.content or "" for chunk in api.chat.completions.create(
         model="any", messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0, stream=True)]
     chat_stop = chat_pieces[4][-2:] + chat_pieces[5][:3]  # chat_pieces[0] is the role's chunk
