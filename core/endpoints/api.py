@@ -3,6 +3,10 @@
 `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events, or whole), `/v1/models`,
 `/health`. Every request goes through `Service.generate`, the path `ggml-cluster run` takes: requests
 queue first come, first served, and one in flight when a node fails is resumed like any other.
+
+Each OpenAI field is used (the sampler's, `stop`, `logprobs`, `response_format`, `stream_options`), accepted as
+metadata that changes nothing (`user`, `store`, ...), or refused with a 400 that names it. Answers carry `usage` and
+llama-server's `timings`.
 """
 
 from __future__ import annotations
