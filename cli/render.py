@@ -111,7 +111,8 @@ def layers(node: NodeStatus) -> str:
 
 
 def header(status: ClusterStatus, now: float) -> list[Text]:
-    """Two lines: what runs (cluster, model, coordinator, uptime), then how it runs (rates, requests, plan)."""
+    """Three lines: what runs (cluster, model, coordinator, uptime), how it runs (rates, requests, plan), then
+    who waits (slots generating, the queue against its bound, requests deferred and refused)."""
     first = Text()
     first.append(status.cluster, style="bold")
     first.append(f"  model {status.model}  coordinator ")
@@ -132,7 +133,11 @@ def header(status: ClusterStatus, now: float) -> list[Text]:
         parts.append(f"recoveries {status.recoveries}")
     if status.predicted_ms:
         parts.append(f"plan {status.predicted_ms:.1f} ms/tok")
-    return [first, Text("  ".join(parts))]
+    load = [f"slots {status.slots_busy}/{status.slots}", f"queue {status.queue_length}/{status.queue_limit}",
+            f"deferred {status.requests_deferred}", f"rejected {status.requests_rejected}"]
+    if status.slots > 1:  # with one slot, the request's own decode rate above is all of it
+        load.append(f"all decode {status.aggregate_decode_tokens_per_s:.1f} tok/s")
+    return [first, Text("  ".join(parts)), Text("  ".join(load))]
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
     # The controller runs in another folder: it gets the inventory's absolute path to resolve relative paths
     # against, and `-i inv.yaml` and `-i $PWD/inv.yaml` make one fingerprint.
     launch_text = json.dumps({**launch.to_dict(), "source": inventory.location}, sort_keys=True)
-    wanted = fingerprint(inventory_text, launch_text)
+    wanted = fingerprint(inventory_text, launch_text, inventory.api_key)
 
     restarted = False
     pid = state.controller_pid()

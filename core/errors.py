@@ -47,6 +47,14 @@ class RequestError(ClusterError):
     """A generation request failed."""
 
 
+class Busy(RequestError):
+    """Every slot generates and the queue is full: the request is refused at once, to be tried again later."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, f"retry in {retry_after}s")
+        self.retry_after = retry_after  # seconds, at least 1: when a place is likely to be free
+
+
 class PromptError(RequestError):
     """The request itself cannot be served (too long for the context, no chat template): the caller's to fix."""
 

@@ -6,12 +6,13 @@ import difflib
 import ipaddress
 import os
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from core.errors import InventoryError
 from core.inventory_errors import SHORT, Locator, shown_key, unconstructible, validate
@@ -25,6 +26,13 @@ INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
 EMBEDDED_SOURCE = "<embedded default>"
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+API_KEY_ENV = "GGML_CLUSTER_API_KEY"
+# A key is a Bearer token in a header: visible ASCII. Shorter than this, it can be guessed over the network (the API
+# does not slow down wrong guesses); longer than the bound, it is the wrong file.
+MIN_API_KEY_CHARS = 16
+MAX_API_KEY_BYTES = 4096
+API_KEY_FIX = ("fix: generate one, e.g. `openssl rand -hex 32 > api.key && chmod 600 api.key`, and name the file in "
+               "api.key_file")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -190,10 +198,16 @@ class Node(_Frozen):
 
 
 class Api(_Frozen):
-    """Where the OpenAI-compatible HTTP API listens."""
+    """Where the OpenAI-compatible HTTP API listens, who may use it, and how many requests it takes at once."""
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535, strict=True)] = 8080  # 0: any free port (`status` shows it)
+    # A file that holds the API key (mode 0600, as ssh wants of a private key); else $GGML_CLUSTER_API_KEY.
+    key_file: PathText | None = None
+    # Requests that may wait for a slot; one more is refused at once (503 with Retry-After, `run` exits 1).
+    queue: Annotated[int, Field(ge=0, le=4096, strict=True)] = 16
+    # Requests generated at once (slots).
+    parallel: Annotated[int, Field(ge=1, le=64, strict=True)] = 1
 
 
 class Metrics(_Frozen):
@@ -224,6 +238,14 @@ class Inventory(_Frozen):
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     nodes: tuple[Node, ...]
     source: str = EMBEDDED_SOURCE
+    # Read from api.key_file or $GGML_CLUSTER_API_KEY as the inventory is loaded. Private: never dumped (the state
+    # dir's inventory.json holds the file's name only), never in a repr, and not settable from the YAML.
+    _api_key: str | None = PrivateAttr(default=None)
+
+    @property
+    def api_key(self) -> str | None:
+        """The key the API and the metrics endpoint require as a Bearer token; None: they are open (loopback)."""
+        return self._api_key
 
     @property
     def model_path(self) -> Path | None:
@@ -341,6 +363,8 @@ def _build(raw: dict[str, Any], source: str, locate: Locator) -> Inventory:
     inventory: Inventory = validate(Inventory, top, (), locate)
     _check_local_ports(inventory, locate)
     _check_chat_template(inventory, locate)
+    inventory._api_key = _api_key(inventory, locate)
+    _check_exposure(inventory, locate)
     return inventory
 
 
@@ -418,6 +442,86 @@ def _check_chat_template(inventory: Inventory, locate: Locator) -> None:
                              "fix: correct the template, or name a built-in chat format such as chatml") from None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listener on ``host`` is reachable from this machine only: 127.0.0.0/8, ::1 or localhost."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or "" (every address)
+        return False
+
+
+def _api_key(inventory: Inventory, locate: Locator) -> str | None:
+    """The API key: what ``api.key_file`` holds, else ``$GGML_CLUSTER_API_KEY``, else None."""
+    if inventory.api.key_file is None:
+        return _environment_key()
+    path = inventory.resolve(inventory.api.key_file)
+    at = ("api", "key_file")
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise InventoryError(locate.at(at, f"no such file {path}"), API_KEY_FIX) from None
+    except OSError as exc:  # a folder on the way without permission, a name too long
+        raise InventoryError(locate.at(at, f"cannot read {path}: {exc.strerror or exc}")) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InventoryError(locate.at(at, f"{path} is not a file"), API_KEY_FIX)
+    # As ssh refuses a private key that others can read: a key others can read (or replace) guards nothing.
+    if info.st_mode & 0o077:
+        raise InventoryError(locate.at(at, f"{path} is open to group or others (mode {info.st_mode & 0o777:04o})"),
+                             f"fix: chmod 600 {path}")
+    if info.st_size > MAX_API_KEY_BYTES:
+        raise InventoryError(locate.at(at, f"{path} has {info.st_size} bytes: not an API key"), API_KEY_FIX)
+    try:
+        text = path.read_bytes().decode("ascii")
+    except OSError as exc:
+        raise InventoryError(locate.at(at, f"cannot read {path}: {exc.strerror or exc}")) from None
+    except UnicodeDecodeError:
+        raise InventoryError(locate.at(at, f"{path} holds a character that is not ASCII"), API_KEY_FIX) from None
+    key = text.strip()  # the newline that `echo` and editors leave
+    problem = _key_problem(key)
+    if problem:
+        raise InventoryError(locate.at(at, f"{path} {problem}"), API_KEY_FIX)
+    return key
+
+
+def _environment_key() -> str | None:
+    key = os.environ.get(API_KEY_ENV)
+    if key is None:
+        return None
+    problem = _key_problem(key)
+    if problem:  # set but empty or garbled (`$(cat missing-file)`): never silently an open API
+        raise InventoryError(f"${API_KEY_ENV} {problem}", f"{API_KEY_FIX}, or unset ${API_KEY_ENV}")
+    return key
+
+
+def _key_problem(key: str) -> str:
+    """What makes ``key`` unusable as a Bearer token ('' when nothing does); the key itself is never shown."""
+    if not key:
+        return "is empty"
+    if not all("!" <= char <= "~" for char in key):
+        return "holds a space, a control or a non-ASCII character (a key is visible ASCII)"
+    if len(key) < MIN_API_KEY_CHARS:
+        return f"holds {len(key)} characters: a key needs at least {MIN_API_KEY_CHARS}"
+    return ""
+
+
+def _check_exposure(inventory: Inventory, locate: Locator) -> None:
+    """Without a key, the API and the metrics endpoint listen on loopback only."""
+    if inventory.api_key is not None:
+        return
+    key_fix = f"set api.key_file to a file that holds a key (chmod 600), or ${API_KEY_ENV}"
+    if not is_loopback(inventory.api.host):
+        raise InventoryError(locate.at(("api", "host"), f"{SHORT.repr(inventory.api.host)} is beyond loopback and "
+                                       "the API has no key: anyone who reaches it could use the cluster"),
+                             f"fix: {key_fix}; or set api.host: 127.0.0.1")
+    if inventory.metrics.enabled and not is_loopback(inventory.metrics.host):
+        raise InventoryError(locate.at(("metrics", "host"), f"{SHORT.repr(inventory.metrics.host)} is beyond "
+                                       "loopback and there is no key for the metrics endpoint"),
+                             f"fix: {key_fix} (Prometheus then sends it as a Bearer token); or set metrics.host: "
+                             "127.0.0.1, or metrics.enabled: false")
+
+
 def direct_warnings(inventory: Inventory) -> list[str]:
     """One warning per node whose unauthenticated RPC port is reachable from its network."""
     return [f"node {node.name}: transport: direct exposes the worker's unauthenticated RPC port on "
@@ -431,7 +535,7 @@ DEMO_WORKER_MEMORY = 74 << 20
 def embedded_inventory() -> Inventory:
     """The built-in default: two local workers on this machine and the demo model, which needs both."""
     threads = max(1, (os.cpu_count() or 2) // 2)
-    return Inventory(
+    inventory = Inventory(
         cluster="demo",
         context=512,
         nodes=(
@@ -439,3 +543,5 @@ def embedded_inventory() -> Inventory:
             Node(name="local-b", kind="local", rpc_port=50153, threads=threads, memory=DEMO_WORKER_MEMORY),
         ),
     )
+    inventory._api_key = _environment_key()
+    return inventory

@@ -21,11 +21,16 @@ MAX_SOCKET_PATH = 103
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
-def fingerprint(inventory_text: str, launch_text: str) -> str:
-    """Identity of a cluster's configuration; equal fingerprints mean `up` has nothing to change."""
+def fingerprint(inventory_text: str, launch_text: str, api_key: str | None) -> str:
+    """Identity of a cluster's configuration; equal fingerprints mean `up` has nothing to change.
+
+    The API key is part of it (`up` with a new key must restart the API) but is written to no file: the controller
+    adds the key it read, `up` the key it reads now, and the digest travels only over the control socket."""
     digest = hashlib.sha256()
     digest.update(inventory_text.encode())
     digest.update(launch_text.encode())
+    if api_key is not None:
+        digest.update(b"\0api-key\0" + api_key.encode())
     return digest.hexdigest()[:16]
 
 
@@ -122,10 +127,10 @@ class StateDir:
         """Work dir of a local node's worker."""
         return self.root / "nodes" / name
 
-    def fingerprint(self) -> str:
-        """Identity of what the controller runs: inventory and launch files together."""
-        texts = [path.read_text() if path.is_file() else "" for path in (self.inventory, self.launch)]
-        return fingerprint(*texts)
+    def fingerprint(self, api_key: str | None) -> str:
+        """Identity of what the controller runs: inventory and launch files together, and its API key."""
+        inventory, launch = (path.read_text() if path.is_file() else "" for path in (self.inventory, self.launch))
+        return fingerprint(inventory, launch, api_key)
 
     @property
     def controller_marker(self) -> str:

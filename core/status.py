@@ -164,6 +164,13 @@ class ClusterStatus:
     recoveries: int = 0                # requests resumed after a fault, since the controller started
     prompt_tokens_per_s: float | None = None  # of the last request
     decode_tokens_per_s: float | None = None  # of the running request, else of the last one
+    aggregate_decode_tokens_per_s: float = 0.0  # of every request generating now, together
+    slots: int = 1                     # requests generated at once
+    slots_busy: int = 0                # of them, generating now
+    queue_length: int = 0              # requests waiting for a slot
+    queue_limit: int = 0               # api.queue: how many may wait; one more is refused (503, `run` exit 1)
+    requests_deferred: int = 0         # requests that waited for a slot, since the controller started
+    requests_rejected: int = 0         # requests refused because the queue was full
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
     api_endpoint: str = ""             # host:port of the OpenAI-compatible API, when it serves
 
@@ -187,6 +194,13 @@ class ClusterStatus:
             "recoveries": self.recoveries,
             "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "aggregate_decode_tokens_per_s": self.aggregate_decode_tokens_per_s,
+            "slots": self.slots,
+            "slots_busy": self.slots_busy,
+            "queue_length": self.queue_length,
+            "queue_limit": self.queue_limit,
+            "requests_deferred": self.requests_deferred,
+            "requests_rejected": self.requests_rejected,
             "metrics_endpoint": self.metrics_endpoint,
             "api_endpoint": self.api_endpoint,
         }
@@ -221,6 +235,13 @@ class ClusterStatus:
             recoveries=data.get("recoveries", 0),
             prompt_tokens_per_s=data.get("prompt_tokens_per_s"),
             decode_tokens_per_s=data.get("decode_tokens_per_s"),
+            aggregate_decode_tokens_per_s=data.get("aggregate_decode_tokens_per_s", 0.0),
+            slots=data.get("slots", 1),
+            slots_busy=data.get("slots_busy", 0),
+            queue_length=data.get("queue_length", 0),
+            queue_limit=data.get("queue_limit", 0),
+            requests_deferred=data.get("requests_deferred", 0),
+            requests_rejected=data.get("requests_rejected", 0),
             metrics_endpoint=data.get("metrics_endpoint", ""),
             api_endpoint=data.get("api_endpoint", ""),
         )

@@ -12,6 +12,12 @@ import pytest
 from tests.harness import Cluster, running_cluster
 
 
+@pytest.fixture(autouse=True)
+def no_api_key_from_the_developer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A $GGML_CLUSTER_API_KEY in the shell that runs the tests would lock their APIs; tests set their own."""
+    monkeypatch.delenv("GGML_CLUSTER_API_KEY", raising=False)
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A short temporary folder (Unix socket paths are limited to ~100 bytes)."""

@@ -66,8 +66,9 @@ class Cluster:
     def __init__(self, root: Path, nodes: int, context: int = 512, extra: dict[int, list[str]] | None = None,
                  ssh: list[list[str]] | None = None, base_env: dict[str, str] | None = None,
                  defaults: list[str] | None = None, top: list[str] | None = None,
-                 strategy: str | None = "memory", ports: list[int] | None = None) -> None:
-        """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines.
+                 strategy: str | None = "memory", ports: list[int] | None = None, api: str = "{port: 0}") -> None:
+        """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines; ``api``:
+        the inventory's ``api:`` (a key, a queue bound).
 
         ``strategy`` is memory unless asked: identical workers would otherwise get every layer on one node
         (the fastest plan), and the fault tests need every worker in the pipeline. None: the default.
@@ -76,10 +77,12 @@ class Cluster:
         self.state = root / "state"
         self.ports = ports or [free_port() for _ in range(nodes)]
         self.inventory = root / "inventory.yaml"
-        self.base_env = base_env or dict(os.environ)
+        # Without the developer's own API key, if any: the inventory's ``api`` decides.
+        self.base_env = base_env or {name: value for name, value in os.environ.items()
+                                     if name != "GGML_CLUSTER_API_KEY"}
         self.up_output = ""  # what the fixture's `up` printed on stderr
         # Any free ports for the metrics endpoint and the API: test clusters run side by side.
-        lines = [f"cluster: test{os.getpid()}", f"context: {context}", "metrics: {port: 0}", "api: {port: 0}",
+        lines = [f"cluster: test{os.getpid()}", f"context: {context}", "metrics: {port: 0}", f"api: {api}",
                  *(top or [])]
         lines += [f"strategy: {strategy}"] if strategy else []
         if defaults:

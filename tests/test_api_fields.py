@@ -67,7 +67,7 @@ def served() -> Iterator[tuple[FakeService, str]]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    server = asyncio.run_coroutine_threadsafe(serve_api(service, "127.0.0.1", 0), loop).result(10)
+    server = asyncio.run_coroutine_threadsafe(serve_api(service, "127.0.0.1", 0, None), loop).result(10)
     yield service, server.address
     asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -75,6 +77,19 @@ BAD = {
                           "bad.yaml:5: nodes[0] (x).env: expected a mapping, got ['A=1']"),
     "env in defaults": ("cluster: a\ndefaults:\n  env: {A-B: x}\nnodes:\n  - name: x\n    kind: local\n",
                         "bad.yaml:3: defaults.env: 'A-B' is not an environment variable name"),
+    "api beyond loopback without a key": ("cluster: a\napi: {host: 0.0.0.0}\nnodes:\n  - name: x\n    kind: local\n",
+                                          "bad.yaml:2: api.host: '0.0.0.0' is beyond loopback and the API has no key"),
+    "metrics beyond loopback without a key": ("cluster: a\nmetrics: {host: 192.168.1.5}\nnodes:\n  - name: x\n"
+                                              "    kind: local\n", "bad.yaml:2: metrics.host: '192.168.1.5' is "
+                                              "beyond loopback and there is no key for the metrics endpoint"),
+    "missing key file": ("cluster: a\napi: {key_file: no-such.key}\nnodes:\n  - name: x\n    kind: local\n",
+                         "bad.yaml:2: api.key_file: no such file "),
+    "parallel out of range": ("cluster: a\napi: {parallel: 65}\nnodes:\n  - name: x\n    kind: local\n",
+                              "bad.yaml:2: api.parallel: 65: input should be less than or equal to 64"),
+    "no parallel slot": ("cluster: a\napi: {parallel: 0}\nnodes:\n  - name: x\n    kind: local\n",
+                         "bad.yaml:2: api.parallel: 0: input should be greater than or equal to 1"),
+    "negative queue": ("cluster: a\napi: {queue: -1}\nnodes:\n  - name: x\n    kind: local\n",
+                       "bad.yaml:2: api.queue: -1: input should be greater than or equal to 0"),
     "misspelt chat format": ("cluster: a\nchat_template: gema\nnodes:\n  - name: x\n    kind: local\n",
                              "bad.yaml:2: chat_template: 'gema' is neither a built-in chat format nor a file "
                              "(fix: did you mean 'gemma'? Otherwise name one of llama-cpp-python's chat formats"),
@@ -93,7 +108,7 @@ def test_bad_inventory_is_one_located_line(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["yaml syntax", "unknown key", "duplicate name", "port clash", "wrong type",
-                                  "huge size"])
+                                  "huge size", "api beyond loopback without a key", "missing key file"])
 def test_cli_exits_2_with_one_line_and_no_traceback(case: str, tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(BAD[case][0])
@@ -356,3 +371,111 @@ def test_plain_users_hosts_and_odd_paths_are_accepted() -> None:
          "labels": {"note": "a;b $(c)"}},
         {"name": "y", "host": "gpu-box.lan", "user": "u.x"}]}), "ok.yaml")
     assert inventory.nodes[0].workdir == "/srv/a b;$(c)"  # paths are quoted on the node, never run
+
+
+KEY = "0123456789abcdef-key"
+
+
+def keyed(tmp_path: Path, api: str, content: str | bytes | None = KEY + "\n", mode: int = 0o600) -> Path:
+    """An inventory at tmp_path/inv.yaml with ``api: {api}`` and a key file ``api.key`` beside it."""
+    key = tmp_path / "api.key"
+    if content is not None:
+        key.write_bytes(content if isinstance(content, bytes) else content.encode())
+        key.chmod(mode)
+    path = tmp_path / "inv.yaml"
+    path.write_text(f"cluster: lab\napi: {api}\nnodes:\n  - name: a\n    kind: local\n")
+    return path
+
+
+def refusal(path: Path) -> str:
+    with pytest.raises(InventoryError) as caught:
+        load_inventory(path)
+    assert caught.value.exit_code == 2 and "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_the_key_file_is_read_relative_to_the_inventory_and_never_dumped(tmp_path: Path) -> None:
+    inventory = load_inventory(keyed(tmp_path, "{host: 0.0.0.0, key_file: api.key}"))
+    assert inventory.api_key == KEY  # the file's trailing newline is not part of it
+    assert inventory.api.key_file == "api.key"
+    # What `up` writes to the state dir, what a repr or a log line would show: the file's name, never the key.
+    assert KEY not in json.dumps(inventory.model_dump(mode="json")) and KEY not in repr(inventory)
+    with pytest.raises(InventoryError, match="unknown key '_api_key'"):
+        parse_inventory("cluster: a\n_api_key: x\nnodes:\n  - name: x\n    kind: local\n", "inv.yaml")
+
+
+@pytest.mark.parametrize(("content", "mode", "expected"), [
+    ("", 0o600, "api.key_file: {key} is empty"),
+    ("  \n", 0o600, "api.key_file: {key} is empty"),
+    (KEY, 0o640, "api.key_file: {key} is open to group or others (mode 0640) (fix: chmod 600 {key})"),
+    (KEY, 0o604, "api.key_file: {key} is open to group or others (mode 0604)"),
+    (KEY, 0o620, "(mode 0620)"),  # writable by the group: someone else could put in a key of their own
+    ("short", 0o600, "api.key_file: {key} holds 5 characters: a key needs at least 16"),
+    ("with a space in it", 0o600, "{key} holds a space, a control or a non-ASCII character"),
+    ("clé-0123456789abcdef".encode(), 0o600, "{key} holds a character that is not ASCII"),
+    ("x" * 5000, 0o600, "{key} has 5000 bytes: not an API key"),
+])
+def test_a_key_file_that_cannot_be_used_is_refused_naming_file_and_field(tmp_path: Path, content: str | bytes,
+                                                                        mode: int, expected: str) -> None:
+    message = refusal(keyed(tmp_path, "{key_file: api.key}", content, mode))
+    assert message.startswith(f"{tmp_path / 'inv.yaml'}:2: ")
+    assert expected.format(key=tmp_path / "api.key") in message
+    assert KEY not in message  # a refused key is not shown either
+
+
+def test_a_key_file_that_is_missing_a_folder_or_unreadable_is_refused(tmp_path: Path) -> None:
+    assert f"api.key_file: no such file {tmp_path / 'api.key'} (fix: generate one" in refusal(
+        keyed(tmp_path, "{key_file: api.key}", None))
+    (tmp_path / "folder").mkdir()
+    assert f"api.key_file: {tmp_path / 'folder'} is not a file" in refusal(keyed(tmp_path, "{key_file: folder}"))
+    if os.geteuid() != 0:  # root reads any file
+        assert f"api.key_file: cannot read {tmp_path / 'api.key'}: Permission denied" in refusal(
+            keyed(tmp_path, "{key_file: api.key}", KEY, 0o200))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost", "LOCALHOST"])
+def test_loopback_needs_no_key(tmp_path: Path, host: str) -> None:
+    inventory = load_inventory(keyed(tmp_path, f"{{host: '{host}'}}", None))
+    assert inventory.api_key is None and inventory.api.host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "192.168.1.5", "my-desktop.lan", "::ffff:8.8.8.8"])
+def test_beyond_loopback_needs_a_key_and_says_how_to_give_one(tmp_path: Path, host: str) -> None:
+    message = refusal(keyed(tmp_path, f"{{host: '{host}'}}", None))
+    assert f"inv.yaml:2: api.host: {host!r} is beyond loopback and the API has no key" in message
+    assert "fix: set api.key_file to a file that holds a key (chmod 600), or $GGML_CLUSTER_API_KEY; or set " \
+           "api.host: 127.0.0.1" in message
+    assert load_inventory(keyed(tmp_path, f"{{host: '{host}', key_file: api.key}}")).api_key == KEY
+
+
+def test_the_metrics_endpoint_follows_the_same_rule(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    (tmp_path / "api.key").write_text(KEY)
+    (tmp_path / "api.key").chmod(0o600)
+    body = "nodes:\n  - name: a\n    kind: local\n"
+    path.write_text("cluster: lab\nmetrics: {host: 0.0.0.0, port: 9464}\n" + body)
+    assert "metrics.host: '0.0.0.0' is beyond loopback" in refusal(path)
+    path.write_text("cluster: lab\nmetrics: {host: 0.0.0.0, enabled: false}\n" + body)
+    assert load_inventory(path).api_key is None  # off: nothing listens
+    path.write_text("cluster: lab\napi: {key_file: api.key}\nmetrics: {host: 0.0.0.0}\n" + body)
+    assert load_inventory(path).api_key == KEY
+
+
+def test_the_key_may_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGML_CLUSTER_API_KEY", KEY)
+    assert load_inventory(keyed(tmp_path, "{host: 0.0.0.0}", None)).api_key == KEY
+    assert embedded_inventory().api_key == KEY
+    other = "another-key-0123456789"
+    assert load_inventory(keyed(tmp_path, "{key_file: api.key}", other)).api_key == other  # the file wins
+    for bad, expected in (("", "$GGML_CLUSTER_API_KEY is empty"), ("tiny", "$GGML_CLUSTER_API_KEY holds 4 "
+                                                                          "characters: a key needs at least 16")):
+        monkeypatch.setenv("GGML_CLUSTER_API_KEY", bad)
+        message = refusal(keyed(tmp_path, "{}", None))  # on loopback too: set but unusable is a mistake
+        assert expected in message and "or unset $GGML_CLUSTER_API_KEY" in message
+
+
+def test_queue_and_parallel_defaults_and_bounds() -> None:
+    api = parse_inventory(LOCAL, "inv.yaml").api
+    assert (api.queue, api.parallel, api.key_file) == (16, 1, None)
+    api = parse_inventory(LOCAL + "api: {queue: 0, parallel: 64}\n", "inv.yaml").api
+    assert (api.queue, api.parallel) == (0, 64)  # 0: nobody waits

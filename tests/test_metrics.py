@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from core.endpoints.prometheus import families
+from core.endpoints.prometheus import families, serve_metrics
 from core.nodes.gpus import Gpu, parse_nvidia_smi_csv, parse_rocm_smi_csv
 from core.nodes.sample import Sample, Usage, cpu_percent, parse_proc, parse_ps, parse_sample, sample_command, usage
 from core.state import PidRecord
@@ -103,7 +106,9 @@ def snapshot() -> ClusterStatus:
                           compute_failures=3, compute_retries=2, compute_retry_ms_total=8.5),
                NodeStatus(name="b", host="localhost", kind="local", rpc_port=2, state=NodeState.FAILED,
                           restarts=5, link="direct")],
-        started_at=1_800_000_000.0, requests_served=3, requests_in_flight=1, decode_tokens_per_s=12.5)
+        started_at=1_800_000_000.0, requests_served=3, requests_in_flight=3, decode_tokens_per_s=12.5,
+        aggregate_decode_tokens_per_s=12.5, slots_busy=1, queue_length=2, queue_limit=2, requests_deferred=9,
+        requests_rejected=4)
 
 
 def test_prometheus_exposition_of_a_snapshot() -> None:
@@ -138,3 +143,42 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
     assert samples[("ggml_cluster_requests_total", (("cluster", "lab"),))] == 3
     assert samples[("ggml_cluster_decode_tokens_per_second", (("cluster", "lab"),))] == 12.5
     assert ("ggml_cluster_prompt_tokens_per_second", (("cluster", "lab"),)) not in samples
+    lab = (("cluster", "lab"),)
+    assert samples[("ggml_cluster_requests_in_flight", lab)] == 3
+    assert (samples[("ggml_cluster_slots", lab)], samples[("ggml_cluster_slots_busy", lab)]) == (1, 1)
+    assert (samples[("ggml_cluster_queue_length", lab)], samples[("ggml_cluster_queue_limit", lab)]) == (2, 2)
+    assert samples[("ggml_cluster_requests_deferred_total", lab)] == 9
+    assert samples[("ggml_cluster_requests_rejected_total", lab)] == 4
+    assert samples[("ggml_cluster_aggregate_decode_tokens_per_second", lab)] == 12.5
+
+
+KEY = "k" * 8 + "0123456789abcdef"
+
+
+def test_with_a_key_the_metrics_endpoint_answers_only_a_bearer_that_carries_it() -> None:
+    def scrape(address: str, authorization: str | None) -> tuple[int, str, str | None]:
+        request = urllib.request.Request(f"http://{address}/metrics")
+        if authorization is not None:
+            request.add_header("Authorization", authorization)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read().decode(), None
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode(), error.headers["WWW-Authenticate"]
+
+    async def main() -> list[tuple[int, str, str | None]]:
+        server = serve_metrics("127.0.0.1", 0, snapshot, asyncio.get_running_loop(), KEY)
+        open_server = serve_metrics("127.0.0.1", 0, snapshot, asyncio.get_running_loop(), None)
+        try:
+            return [await asyncio.to_thread(scrape, server.address, header)
+                    for header in (None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}", f"bearer  {KEY}")] + \
+                   [await asyncio.to_thread(scrape, open_server.address, None)]
+        finally:
+            server.close()
+            open_server.close()
+
+    missing, wrong, basic, right, any_case, unguarded = asyncio.run(main())
+    for refused in (missing, wrong, basic):
+        assert refused[0] == 401 and refused[2] == "Bearer" and "ggml_cluster" not in refused[1]
+    for answered in (right, any_case, unguarded):
+        assert answered[0] == 200 and 'ggml_cluster_slots{cluster="lab"} 1.0' in answered[1]

@@ -84,15 +84,16 @@ def expected(prompt: str, tokens: int) -> str:
 @asynccontextmanager
 async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, cues: dict[str, Any] | None = None,
                   nodes: int = 2, memory: str = "", *, adopt: Harness | None = None,
-                  keep_workers: bool = False, stock: tuple[str, ...] = ()) -> AsyncIterator[Harness]:
+                  keep_workers: bool = False, stock: tuple[str, ...] = (), api: str = "") -> AsyncIterator[Harness]:
     """A running controller over ``nodes`` fake nodes (each ``memory`` capped) and the stub coordinator.
 
     ``adopt``: the nodes (and their workers) of an earlier cluster, which a new controller adopts;
     ``keep_workers``: the controller leaves its workers running when it stops (`down --keep-workers`);
-    ``stock``: nodes whose workers do not report failed computes (the others' HELLO says they do)."""
+    ``stock``: nodes whose workers do not report failed computes (the others' HELLO says they do);
+    ``api``: the inventory's ``api:`` mapping (a queue bound)."""
     (tmp_path / "cues.json").write_text(json.dumps(cues or {}))
     monkeypatch.setenv("GGML_STUB_CUES", str(tmp_path / "cues.json"))
-    lines = ["cluster: fake", "context: 512", "strategy: memory", "nodes:"]
+    lines = ["cluster: fake", "context: 512", "strategy: memory", *([f"api: {api}"] if api else []), "nodes:"]
     for index in range(nodes):
         lines += [f"  - {{name: n{index}, host: 127.0.0.{index + 1}, transport: direct, rpc_port: {50100 + index},"
                   f" build: {{path: /opt/rpc/ggml-rpc-server}}{', memory: ' + memory if memory else ''}}}"]

@@ -56,7 +56,8 @@ def healthy() -> ClusterStatus:
         events=[Event(time=T0 + 5, kind="worker", message="worker started", node="pi5"),
                 Event(time=T0 + 9, kind="plan", message="compute (latency): layers on 2 of 2 worker(s)")],
         started_at=T0, requests_served=12, requests_in_flight=1, decode_tokens_per_s=41.26,
-        prompt_tokens_per_s=512.3, predicted_ms=23.5, tensor_split=[0.7, 0.3])
+        prompt_tokens_per_s=512.3, predicted_ms=23.5, tensor_split=[0.7, 0.3], slots_busy=1, queue_limit=16,
+        aggregate_decode_tokens_per_s=41.26)
 
 
 def when(status: ClusterStatus, **nodes: dict[str, object]) -> ClusterStatus:
@@ -72,6 +73,7 @@ def screen(status: ClusterStatus, width: int = 80) -> list[str]:
 HEADER = [
     "homelab  model qwen2.5-7b-q4_k_m.gguf  coordinator generating  up 2m05s",
     "decode 41.3 tok/s  prompt 512 tok/s  requests 12 (1 in flight)  plan 23.5 ms/tok",
+    "slots 1/1  queue 0/16  deferred 0  rejected 0",
     "",
 ]
 EVENTS = [
@@ -114,11 +116,12 @@ def test_a_failed_node() -> None:
                                   "last_status": "out of memory (ggml_aligned_malloc failed)",
                                   "last_error": "crash loop: out of memory (ggml_aligned_malloc failed)"})
     status.coordinator.state = CoordinatorState.READY
-    status.requests_in_flight = 0
+    status.requests_in_flight = status.slots_busy = 0
     status.recoveries = 1
     assert screen(status) == [
         "homelab  model qwen2.5-7b-q4_k_m.gguf  coordinator ready  up 2m05s",
         "decode 41.3 tok/s  prompt 512 tok/s  requests 12  recoveries 1  plan 23.5 ms/tok",
+        "slots 0/1  queue 0/16  deferred 0  rejected 0",
         "",
         "NODE    BACKEND     STATE  LAYERS MEMORY       LOAD MS/TOK COMPUTES RESTARTS",
         "rtx4090 x86_64/cuda ready  0-19   ███░ 18G/24G  88%   9.12     1210        0",
@@ -154,10 +157,10 @@ def test_a_direct_node_shows_no_traffic_counts() -> None:
 
 def test_narrow_screens_drop_the_load_column_first_and_never_overflow() -> None:
     wide = screen(healthy(), width=120)
-    assert "LOAD" in wide[3]
+    assert "LOAD" in wide[4]
     long_name = when(healthy(), pi5={"name": "raspberry-pi-5"})
     narrow = screen(long_name, width=80)
-    assert "LOAD" not in narrow[3] and "MS/TOK" in narrow[3]
+    assert "LOAD" not in narrow[4] and "MS/TOK" in narrow[4]
     assert all(len(line) <= 80 for line in narrow)
 
 
@@ -202,14 +205,14 @@ def test_failed_computes_retried_in_place_are_counted_and_the_latest_is_under_th
                   pi5={"compute_status": True, "compute_failures": 2, "compute_retries": 1,
                        "last_compute_failure": "device 0: GGML_STATUS_FAILED (-1)",
                        "last_compute_failure_at": T0 + 100})
-    assert screen(status, width=100)[3:7] == [
+    assert screen(status, width=100)[4:8] == [
         "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES CFAIL RESTARTS",
         "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12     1210     0        0",
         "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25     1209     2        0",
         "  └ 2 failed computes retried in place; last 08:01:40 device 0: FAILED (-1)",
     ]
     # 80 columns: the count goes first (before LOAD); the line under the row stays.
-    assert screen(status)[3:7] == [
+    assert screen(status)[4:8] == [
         "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES RESTARTS",
         "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12     1210        0",
         "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25     1209        0",
@@ -220,8 +223,8 @@ def test_failed_computes_retried_in_place_are_counted_and_the_latest_is_under_th
 def test_a_stock_worker_or_one_not_probed_yet_has_no_failed_computes_to_show() -> None:
     status = when(healthy(), rtx4090={"compute_status": False})  # pi5: not probed yet (None)
     lines = screen(status, width=100)
-    assert lines[3].split()[-2:] == ["CFAIL", "RESTARTS"]
-    assert [line.split()[-2] for line in lines[4:6]] == ["-", "-"]
+    assert lines[4].split()[-2:] == ["CFAIL", "RESTARTS"]
+    assert [line.split()[-2] for line in lines[5:7]] == ["-", "-"]
 
 
 def test_round_trip_through_json_with_the_relay_session_and_failed_computes() -> None:
@@ -234,3 +237,13 @@ def test_round_trip_through_json_with_the_relay_session_and_failed_computes() ->
     assert data["nodes"][1]["session"]["digest"] == "00112233aabbccdd"
     assert data["nodes"][1]["compute_status"] is True and data["nodes"][0]["compute_status"] is None
     assert ClusterStatus.from_dict(data) == original
+
+
+def test_a_full_queue_and_parallel_slots_are_on_the_third_line() -> None:
+    status = dataclasses.replace(healthy(), slots=4, slots_busy=4, queue_length=16, requests_deferred=40,
+                                 requests_rejected=3, aggregate_decode_tokens_per_s=131.04)
+    assert screen(status)[2] == "slots 4/4  queue 16/16  deferred 40  rejected 3  all decode 131.0 tok/s"
+    data = json.loads(json.dumps(status.to_dict()))
+    assert (data["slots"], data["slots_busy"], data["queue_length"], data["queue_limit"]) == (4, 4, 16, 16)
+    assert (data["requests_deferred"], data["requests_rejected"]) == (40, 3)
+    assert ClusterStatus.from_dict(data) == status

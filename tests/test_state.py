@@ -10,7 +10,7 @@ import pytest
 
 from core.errors import ClusterError
 from core.inventory import load_inventory
-from core.state import StateDir, read_launch
+from core.state import StateDir, fingerprint, read_launch
 
 
 def mode(path: Path) -> int:
@@ -53,3 +53,14 @@ def test_the_controller_resolves_the_inventorys_paths_from_the_inventorys_folder
                                         "source": inventory.location}))
     read, _ = read_launch(state)
     assert read.chat_template_file == tmp_path / "inv" / "chat.jinja" == inventory.chat_template_file
+
+
+def test_a_new_api_key_is_a_new_fingerprint_though_no_file_holds_it(tmp_path: Path) -> None:
+    """`up` with a rotated key must restart the API, not find the cluster unchanged and keep the old key."""
+    state = StateDir(tmp_path).create()
+    state.inventory.write_text('{"api": {"key_file": "api.key"}}')
+    state.launch.write_text("{}")
+    keys = [None, "0123456789abcdef-one", "0123456789abcdef-two"]
+    assert len({state.fingerprint(key) for key in keys}) == 3
+    assert state.fingerprint(keys[1]) == fingerprint(state.inventory.read_text(), "{}", keys[1])  # what `up` computes
+    assert not any(key in path.read_text() for key in keys[1:] for path in tmp_path.iterdir() if path.is_file())

@@ -74,7 +74,7 @@ class Controller:
         self.supervisor = CoordinatorSupervisor(inventory, self.model, state, log=self.log, tasks=self.tasks,
                                                 fleet=self.fleet, placement=self.placement, watchdog=watchdog,
                                                 module=seams.coordinator)
-        self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes)
+        self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes, inventory.api.queue)
         self.started_at = time.time()
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
@@ -95,8 +95,8 @@ class Controller:
         return self.inventory.context
 
     def fingerprint(self) -> str:
-        """Identity of what this controller runs: its inventory and launch files."""
-        return self.state.fingerprint()
+        """Identity of what this controller runs: its inventory and launch files, and the API key it read."""
+        return self.state.fingerprint(self.inventory.api_key)
 
     def serving(self) -> bool:
         """Whether it runs on (False once it has shut down)."""
@@ -113,6 +113,7 @@ class Controller:
     def snapshot(self) -> ClusterStatus:
         """The current status of everything."""
         plan, profiles, runner = self.placement.plan, self.placement.profiles, self.requests
+        admission = runner.admission
         return ClusterStatus(
             cluster=self.inventory.cluster, model=self.model.name,
             coordinator=CoordinatorStatus(**vars(self.supervisor.status)),
@@ -121,6 +122,9 @@ class Controller:
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=runner.served,
             requests_in_flight=runner.waiting, recoveries=runner.recoveries,
             prompt_tokens_per_s=runner.rates["prompt"], decode_tokens_per_s=runner.decode_rate(),
+            aggregate_decode_tokens_per_s=runner.aggregate_decode_rate(), slots=admission.slots,
+            slots_busy=admission.busy, queue_length=admission.queued, queue_limit=admission.queue,
+            requests_deferred=admission.deferred, requests_rejected=admission.rejected,
             metrics_endpoint=self.metrics.address if self.metrics else "",
             api_endpoint=self.api.address if self.api else "",
             strategy=plan.strategy if plan else "",
@@ -228,7 +232,7 @@ async def _serve_api(controller: Controller) -> None:
     """Start the OpenAI-compatible API; a port in use is an event and a warning, not a reason to stop."""
     settings = controller.inventory.api
     try:
-        controller.api = await serve_api(controller, settings.host, settings.port)
+        controller.api = await serve_api(controller, settings.host, settings.port, controller.inventory.api_key)
     except OSError as exc:
         controller.record("api-failed", f"no API endpoint: cannot listen on {settings.host}:{settings.port} "
                           f"({exc.strerror or exc}); fix: set api.port (0: any free port)")
@@ -242,7 +246,8 @@ def _serve_metrics(controller: Controller, loop: asyncio.AbstractEventLoop) -> N
     if not settings.enabled:
         return
     try:
-        controller.metrics = serve_metrics(settings.host, settings.port, controller.snapshot, loop)
+        controller.metrics = serve_metrics(settings.host, settings.port, controller.snapshot, loop,
+                                           controller.inventory.api_key)
     except OSError as exc:
         controller.record("metrics-failed", f"no metrics endpoint: cannot listen on {settings.host}:{settings.port} "
                           f"({exc.strerror or exc}); fix: set metrics.port (0: any free port) or "

@@ -1,20 +1,22 @@
-"""Requests: first come, first served; each runs on the coordinator and, when the coordinator is lost, resumes
-from its own tokens on the next one, so the client sees one stream with nothing lost or repeated."""
+"""Requests: first come, first served, up to a bound; each runs on the coordinator and, when the coordinator is
+lost, resumes from its own tokens on the next one, so the client sees one stream with nothing lost or repeated."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import math
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.controller.events import EventLog
 from core.controller.supervisor import CoordinatorSupervisor, drain
 from core.engine.protocol import Answer, Cancel, Done, Exited, Failed, Generate, Progress, PromptTokens, Token, encode
-from core.errors import PromptError, RequestError
+from core.errors import Busy, PromptError, RequestError
 from core.service import GenerateRequest, Send
 from core.status import CoordinatorState
 from core.stop_text import StopText
@@ -23,6 +25,88 @@ MAX_RECOVERIES = 5  # per request
 # Events a request waiting for the cluster to come back passes on to its client, as notices.
 RECOVERY_NOTICES = frozenset({"watchdog", "coordinator-exit", "coordinator-failed", "node-failed", "worker-hung",
                               "node-reconnecting", "node-reconnected"})
+
+
+RECENT_REQUESTS = 8  # the requests whose times estimate when a slot frees up
+
+
+class Admission:
+    """Who generates and who waits: ``slots`` requests at once, then up to ``queue`` more, first come, first
+    served; one more is refused at once (Busy), with an estimate of when a place frees up."""
+
+    def __init__(self, slots: int, queue: int, changed: Callable[[], None]) -> None:
+        """``changed``: called whenever the counts change (it wakes status watchers)."""
+        self.slots = slots
+        self.queue = queue
+        self.changed = changed
+        self.busy = 0      # slots held, a slot handed to a waiter that has not resumed yet included
+        self.deferred = 0  # requests that had to wait for a slot, since the controller started
+        self.rejected = 0  # requests refused because the queue was full
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._started: list[float] = []  # when each request holding a slot got it (monotonic)
+        self._held_s: deque[float] = deque(maxlen=RECENT_REQUESTS)  # how long recent requests held theirs
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiting)
+
+    def retry_after(self) -> int:
+        """Seconds until a place is likely to free up: the recent mean time a request holds its slot, less what
+        the longest-running request has had of it; at least 1."""
+        if not self._held_s or not self._started:
+            return 1
+        mean = sum(self._held_s) / len(self._held_s)
+        return max(1, math.ceil(mean - (time.monotonic() - min(self._started))))
+
+    @contextlib.asynccontextmanager
+    async def place(self) -> AsyncIterator[None]:
+        """Hold a slot for the body: at once when one is free and nobody waits, else once those queued before
+        have theirs; raises Busy when the queue is full."""
+        if self.busy < self.slots and not self._waiting:
+            self.busy += 1
+        elif len(self._waiting) < self.queue:
+            await self._wait()
+        else:
+            self.rejected += 1
+            self.changed()
+            raise Busy(f"the cluster is busy: {self.busy}/{self.slots} slots generating, {self.queued}/{self.queue} "
+                       "queued (api.queue)", self.retry_after())
+        started = time.monotonic()
+        self._started.append(started)
+        self.changed()
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            self._started.remove(started)
+            if finished:  # a refused prompt or a client gone says nothing about how long requests take
+                self._held_s.append(time.monotonic() - started)
+            self._release()
+
+    async def _wait(self) -> None:
+        self.deferred += 1
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        self.changed()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed a slot just as it was cancelled: pass it on
+                self._release()
+            else:
+                self._waiting.remove(turn)
+                self.changed()
+            raise
+
+    def _release(self) -> None:
+        """A slot is free: the first waiter gets it (so that no newcomer takes it first), else it is free."""
+        if self._waiting:
+            self._waiting.popleft().set_result(None)
+        else:
+            self.busy -= 1
+        self.changed()
 
 
 @dataclass
@@ -43,9 +127,9 @@ class RequestRunner:
     """Runs requests one at a time on the supervisor's coordinator, with resume, watchdog and cancel."""
 
     def __init__(self, supervisor: CoordinatorSupervisor, log: EventLog, bound_s: float,
-                 failed_nodes: Callable[[], str]) -> None:
+                 failed_nodes: Callable[[], str], queue: int) -> None:
         """``bound_s``: the watchdog's bound; ``failed_nodes``: why the nodes that are left out are, for a
-        request the cluster cannot serve."""
+        request the cluster cannot serve; ``queue``: how many requests may wait for the one generating."""
         self.supervisor = supervisor
         self.log = log
         self.bound_s = bound_s
@@ -53,6 +137,7 @@ class RequestRunner:
         self.lock = asyncio.Lock()  # held by the request generating (and by a re-plan between requests)
         self.served = 0
         self.waiting = 0            # in flight: generating, or queued behind the one that is
+        self.admission = Admission(1, queue, log.notify)  # one slot: the coordinator generates one at a time
         self.recoveries = 0
         self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
         self.current: RequestProgress | None = None
@@ -61,17 +146,20 @@ class RequestRunner:
 
     def decode_rate(self) -> float | None:
         """Tokens/s of the request generating now (since its first token), else of the last one."""
-        current = self.current
-        if current is None or current.first_token_s is None or len(current.generated) < 2:
-            return self.rates["decode"]
-        return (len(current.generated) - 1) / (time.perf_counter() - current.started - current.first_token_s)
+        rate = None if self.current is None else _decode_rate(self.current)
+        return self.rates["decode"] if rate is None else rate
+
+    def aggregate_decode_rate(self) -> float:
+        """Tokens/s of every request generating now, together (0 when none is)."""
+        rate = None if self.current is None else _decode_rate(self.current)
+        return rate or 0.0
 
     async def generate(self, request: GenerateRequest, send: Send) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
         self.waiting += 1
         self.log.notify()
         try:
-            async with self.lock:
+            async with self.admission.place(), self.lock:
                 progress = self.current = RequestProgress(text=StopText(request.stop))
                 try:
                     await self._resume_until_done(request, progress, send)
@@ -249,6 +337,13 @@ async def _write(process: asyncio.subprocess.Process, message: Generate | Cancel
         with contextlib.suppress(ConnectionError, RuntimeError):  # it died: its exit is on the way
             process.stdin.write(encode(message))
             await process.stdin.drain()
+
+
+def _decode_rate(progress: RequestProgress) -> float | None:
+    """A request's tokens/s since its first token; None before its second."""
+    if progress.first_token_s is None or len(progress.generated) < 2:
+        return None
+    return (len(progress.generated) - 1) / (time.perf_counter() - progress.started - progress.first_token_s)
 
 
 def _rate(count: int, seconds: float) -> float | None:

@@ -2,7 +2,8 @@
 
 `/v1/completions`, `/v1/chat/completions` (streamed as server-sent events, or whole), `/v1/models`,
 `/health`. Every request goes through `Service.generate`, the path `ggml-cluster run` takes: requests
-queue first come, first served, and one in flight when a node fails is resumed like any other.
+queue first come, first served (one beyond the queue's bound is a 503 with Retry-After), and one in flight when
+a node fails is resumed like any other. With an API key, every route but `/health` needs it as a Bearer token.
 
 Each OpenAI field is used (the sampler's, `stop`, `logprobs`, `response_format`, `stream_options`), accepted as
 metadata that changes nothing (`user`, `store`, ...), or refused with a 400 that names it. Answers carry `usage` and
@@ -18,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.errors import ClusterError, PromptError
+from core.endpoints.auth import bearer_matches
+from core.errors import Busy, ClusterError, PromptError
 from core.service import MAX_LOGPROBS, GenerateRequest, Service
 from core.status import CoordinatorState
 
@@ -104,6 +107,31 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 def _fail(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, kind, param), status=status)
+
+
+def _unavailable(exc: ClusterError) -> web.Response:
+    """503: the cluster cannot serve now; when it is only busy, Retry-After says when to come back."""
+    if isinstance(exc, Busy):
+        return web.json_response(error_body(str(exc), "server_error", code="server_busy"), status=503,
+                                 headers={"Retry-After": str(exc.retry_after)})
+    return _fail(503, str(exc), "server_error")
+
+
+def _authenticate(key: str) -> Middleware:
+    """Every route but /health answers only requests that carry ``key`` as a Bearer token; the rest get 401."""
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # /health stays open: load balancers and `curl` probes check it without the key, and it tells nothing
+        # that the cluster's own status does not.
+        if request.path == "/health" or bearer_matches(request.headers.get("Authorization", ""), key):
+            return await handler(request)
+        if "Authorization" in request.headers:
+            message, challenge = "incorrect API key provided", 'Bearer error="invalid_token"'
+        else:
+            message, challenge = "no API key provided: send it as 'Authorization: Bearer <key>'", "Bearer"
+        return web.json_response(error_body(message, "invalid_request_error", code="invalid_api_key"), status=401,
+                                 headers={"WWW-Authenticate": challenge})
+    return authenticate
 
 
 def _invalid(exc: ValidationError) -> web.Response:
@@ -223,7 +251,7 @@ class _Api:
         except PromptError as exc:
             return _fail(400, str(exc), "invalid_request_error", exc.field)
         except ClusterError as exc:
-            return _fail(503, str(exc), "server_error")
+            return _unavailable(exc)
         text, reason = "".join(texts), _finish_reason(done)
         chances = shape.logprobs(logprobs) if job.logprobs is not None else None
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -270,9 +298,8 @@ class _Api:
             await self.service.generate(job, relay)
         except ClusterError as exc:
             if not response.prepared:  # nothing sent yet: a plain error response with its status
-                prompt = isinstance(exc, PromptError)
-                return _fail(400 if prompt else 503, str(exc), "invalid_request_error" if prompt else "server_error",
-                             exc.field if isinstance(exc, PromptError) else None)
+                return _fail(400, str(exc), "invalid_request_error", exc.field) if isinstance(exc, PromptError) \
+                    else _unavailable(exc)
             await response.write(f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode())
         if not response.prepared:
             await response.prepare(request)
@@ -320,10 +347,11 @@ def _timings(done: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-async def serve_api(service: Service, host: str, port: int) -> ApiServer:
-    """Serve the API on host:port (raises OSError when the port is taken)."""
+async def serve_api(service: Service, host: str, port: int, key: str | None) -> ApiServer:
+    """Serve the API on host:port; with ``key``, every route but /health needs it as a Bearer token (raises
+    OSError when the port is taken)."""
     api = _Api(service)
-    app = web.Application(client_max_size=16 << 20)
+    app = web.Application(client_max_size=16 << 20, middlewares=[] if key is None else [_authenticate(key)])
     app.add_routes([
         web.get("/health", api.health), web.get("/v1/models", api.models),
         web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat),

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from core.endpoints.auth import bearer_matches
 from core.status import ClusterStatus, CoordinatorState, NodeState
 
 _PREFIX = "ggml_cluster"
@@ -28,11 +33,25 @@ def families(status: ClusterStatus) -> list[Metric]:
             family.add_metric(list(labels.values()), value)
         return family
 
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"{_PREFIX}_{name}", doc, labels=["cluster"])
+        family.add_metric(cluster, value)
+        return family
+
     result: list[Metric] = [
         gauge("up_since_seconds", "When the controller started (Unix time).", status.started_at),
         gauge("requests_in_flight", "Requests generating or queued.", status.requests_in_flight),
+        gauge("slots", "Requests generated at once.", status.slots),
+        gauge("slots_busy", "Slots generating now.", status.slots_busy),
+        gauge("queue_length", "Requests waiting for a slot.", status.queue_length),
+        gauge("queue_limit", "Requests that may wait for a slot (api.queue); one more is refused.",
+              status.queue_limit),
+        counter("requests_deferred", "Requests that waited for a slot.", status.requests_deferred),
+        counter("requests_rejected", "Requests refused because the queue was full (503).", status.requests_rejected),
         gauge("decode_tokens_per_second", "Decode rate of the running request, else of the last one.",
               status.decode_tokens_per_s),
+        gauge("aggregate_decode_tokens_per_second", "Decode rate of every request generating now, together.",
+              status.aggregate_decode_tokens_per_s),
         gauge("prompt_tokens_per_second", "Prompt rate of the last request.", status.prompt_tokens_per_s),
         gauge("predicted_token_seconds", "Time per token the plan predicts.",
               None if status.predicted_ms is None else status.predicted_ms / 1000),
@@ -41,11 +60,8 @@ def families(status: ClusterStatus) -> list[Metric]:
                                     labels=["cluster", "state"])
     for each in CoordinatorState:
         coordinator.add_metric([*cluster, str(each)], float(each == status.coordinator.state))
-    served = CounterMetricFamily(f"{_PREFIX}_requests", "Requests served.", labels=["cluster"])
-    served.add_metric(cluster, status.requests_served)
-    recoveries = CounterMetricFamily(f"{_PREFIX}_recoveries", "Requests resumed after a fault.", labels=["cluster"])
-    recoveries.add_metric(cluster, status.recoveries)
-    result += [coordinator, served, recoveries]
+    result += [coordinator, counter("requests", "Requests served.", status.requests_served),
+               counter("recoveries", "Requests resumed after a fault.", status.recoveries)]
 
     labels = ["cluster", "node"]
     state = GaugeMetricFamily(f"{_PREFIX}_node_state", "1 for the node's current state.",
@@ -119,9 +135,26 @@ class MetricsServer:
         self.server.server_close()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """A line per scrape on stderr would fill the controller's log."""
+
+
+def _guarded(app: WSGIApplication, key: str) -> WSGIApplication:
+    """``app`` for requests that carry the API key as a Bearer token; 401 for the rest."""
+    def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if bearer_matches(environ.get("HTTP_AUTHORIZATION", ""), key):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"),
+                                            ("Content-Type", "text/plain; charset=utf-8")])
+        return [b"the metrics endpoint needs the API key: send 'Authorization: Bearer <key>'\n"]
+    return guarded
+
+
 def serve_metrics(host: str, port: int, snapshot: Callable[[], ClusterStatus],
-                  loop: asyncio.AbstractEventLoop) -> MetricsServer:
-    """Serve /metrics on host:port. Snapshots are taken on ``loop`` (the controller's state lives there)."""
+                  loop: asyncio.AbstractEventLoop, key: str | None) -> MetricsServer:
+    """Serve /metrics on host:port; with ``key``, only to requests that send it as a Bearer token. Snapshots are
+    taken on ``loop`` (the controller's state lives there). Raises OSError when it cannot listen."""
 
     def on_loop() -> ClusterStatus:
         async def take() -> ClusterStatus:
@@ -130,5 +163,13 @@ def serve_metrics(host: str, port: int, snapshot: Callable[[], ClusterStatus],
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(on_loop))
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    app = make_wsgi_app(registry)
+    # As prometheus_client's start_http_server, with the key checked in front: the family the address needs
+    # (an IPv6 host), a thread per scrape.
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server_class = type("MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family})
+    server: WSGIServer = make_server(str(address[0]), port, app if key is None else _guarded(app, key), server_class,
+                         handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return MetricsServer(server, thread)
