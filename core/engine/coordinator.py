@@ -46,12 +46,13 @@ from core.engine.protocol import (
     Request,
     Shutdown,
     Token,
+    TokenLogprobs,
+    TopLogprob,
     decode_request,
     encode,
 )
+from core.engine.sampling import GrammarError, logprobs, sampler_for
 
-TOP_K = 40
-TOP_P = 0.95
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
 # client answers "supported" for every op, so on a cluster auto means on (llama-bench, llama-server and
 # llama-cli all run that way). llama-cpp-python can only say on or off, and its default, off, builds a graph
@@ -232,21 +233,6 @@ def last_logits(lib: Any, llm: Any, n_vocab: int) -> np.ndarray:
     return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
 
 
-def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise top-k, top-p sampling with one draw from ``rng`` per token."""
-    if temperature <= 0 or rng is None:
-        return int(np.argmax(logits))
-    top = np.argpartition(logits, -TOP_K)[-TOP_K:] if logits.size > TOP_K else np.arange(logits.size)
-    top = top[np.argsort(logits[top])[::-1]]
-    scaled = logits[top].astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    keep = int(np.searchsorted(np.cumsum(probs), TOP_P)) + 1
-    probs = probs[:keep] / probs[:keep].sum()
-    index = int(np.searchsorted(np.cumsum(probs), rng.random()))
-    return int(top[min(index, keep - 1)])
-
-
 class Generator:
     """Runs one request at a time on a loaded model."""
 
@@ -334,9 +320,14 @@ class Generator:
         if len(prompt_tokens) >= llm.n_ctx():
             emit(out, Failed(f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}", rid))
             return
+        try:
+            sampler = sampler_for(request, self._lib, self.vocab, self.n_vocab)
+        except GrammarError as exc:
+            emit(out, Failed(f"response_format: {exc}", rid, field="response_format"))
+            return
         emit(out, PromptTokens(rid, prompt_tokens))
-        seed, temperature = request.seed, request.temperature
-        rng = np.random.default_rng(seed % (1 << 64) if isinstance(seed, int) else None) if temperature > 0 else None
+        for token in prompt_tokens:
+            sampler.accept(token, generated=False)  # the penalties look back over the prompt too, as llama-server's
         started = time.perf_counter()
         llm.reset()
         # The batches Llama.eval itself would make (n_batch), one call each, so that progress shows between them.
@@ -347,8 +338,7 @@ class Generator:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reported = time.perf_counter()
         for index, token in enumerate(replay, 1):
-            if rng is not None:
-                rng.random()  # the draw this token consumed when it was first sampled
+            sampler.replayed(token)  # its draw, penalty history and grammar step, as when it was first chosen
             decoder.decode(llm.detokenize([token]))
             self.step([token], rid, out)
             if index == len(replay) or time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
@@ -363,18 +353,33 @@ class Generator:
             if self.requests.cancelled(rid):
                 reason = "cancelled"
                 break
-            token = choose_token(last_logits(self._lib, llm, self.n_vocab), temperature, rng)
+            logits = last_logits(self._lib, llm, self.n_vocab)
+            token = sampler.choose(logits)
             if self._lib.llama_vocab_is_eog(self.vocab, token):
                 reason = "stop"
                 break
+            sampler.accept(token)
             generated += 1
-            emit(out, Token(rid, token, decoder.decode(llm.detokenize([token]))))
+            # Read before the next step overwrites the logits.
+            chances = self.logprobs(logits, token, request.logprobs) if request.logprobs is not None else None
+            emit(out, Token(rid, token, decoder.decode(llm.detokenize([token])), chances))
             if generated < budget:
                 self.step([token], rid, out)
         tail = decoder.decode(b"", final=True)
         finished = time.perf_counter()
         emit(out, Done(rid, reason, tail, prompt_tokens=len(prompt_tokens), replayed_tokens=len(replay),
                        completion_tokens=generated, prompt_s=prompt_done - started, decode_s=finished - prompt_done))
+
+
+    def logprobs(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+        """The chosen token's log-probability and the ``top_n`` likeliest tokens', with their texts."""
+        found = logprobs(logits, token, top_n)
+        return {**self._piece(token, found.logprob),
+                "top_logprobs": [self._piece(other, logprob) for other, logprob in found.top]}
+
+    def _piece(self, token: int, logprob: float) -> TopLogprob:
+        piece = self.llm.detokenize([token])
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
 
 
 class RequestIds:
