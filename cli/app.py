@@ -215,6 +215,11 @@ def run(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy (deterministic).")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (with --temperature > 0).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Sample from the K likeliest tokens (0: all; default 40).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Sample from the likeliest tokens that make up P of the "
+                                                     "probability (1: all; default 0.95).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="End the text before this string (repeatable, up to 4); "
+                                                        "it is not printed.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message, rendered with the "
                                                       "inventory's chat_template or the model's own (as "
@@ -224,7 +229,8 @@ def run(
 ) -> None:
     """Stream a completion from the cluster to stdout."""
     state = client.state_for(_inventory(inventory_file, debug))
-    request: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    request: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "top_k": top_k,
+                               "top_p": top_p, "stop": stop}
     request.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
 
     async def work() -> dict[str, Any]:

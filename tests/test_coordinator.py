@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from core.engine.coordinator import (
@@ -20,6 +21,7 @@ from core.engine.coordinator import (
 )
 from core.engine.protocol import (
     EXIT_COMPUTE_FAILED,
+    Answer,
     Cancel,
     ComputeFailed,
     ComputeRetried,
@@ -32,14 +34,16 @@ from core.engine.protocol import (
     Ready,
     Shutdown,
     Token,
+    TokenLogprobs,
     decode_answer,
     decode_request,
     encode,
     status_name,
 )
-from core.engine.slots import Slot
+from core.engine.slots import Scheduler, Slot
 from core.inventory import CHAT_FORMATS
 from core.model import DEMO_CHAT_TEMPLATE, write_demo_model
+from tests.test_slots import FakeEngine, Ids
 
 
 class FakeLlama:
@@ -58,6 +62,9 @@ class FakeLlama:
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         return [1] * add_bos + [3 + byte % 8 for byte in text]
 
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return b"".join(b" w%d" % token for token in tokens)
+
 
 class FakeLib:
     """The llama_cpp module's calls a Generator makes."""
@@ -70,6 +77,20 @@ def prepare(**request: Any) -> Slot | Failed:
     return Generator(FakeLlama(), FakeLib()).prepare(Generate(**{"id": 7, "max_tokens": 4, **request}))
 
 
+def run(engine: FakeEngine | None = None, **request: Any) -> list[Answer]:
+    """A request prepared by a Generator and run on its own in the slots, over a fake model whose favourite token
+    is 5 (logit 1, the others 0)."""
+    prepared = prepare(**request)
+    if isinstance(prepared, Failed):
+        return [prepared]
+    events: list[Answer] = []
+    scheduler = Scheduler(engine or FakeEngine(), 1, events.append, Ids())
+    scheduler.add(prepared)
+    while scheduler.busy:
+        scheduler.step()
+    return events
+
+
 def test_a_request_becomes_a_slot_with_its_budget_or_is_refused_with_why() -> None:
     made = prepare(prompt="hi", max_tokens=10, replay=[5, 5, 5])
     assert isinstance(made, Slot) and made.prompt == [1, 3 + ord("h") % 8, 3 + ord("i") % 8] and made.budget == 7
@@ -77,11 +98,50 @@ def test_a_request_becomes_a_slot_with_its_budget_or_is_refused_with_why() -> No
     assert prepare(prompt_tokens=[2] * 4090, max_tokens=100).budget == 6  # type: ignore[union-attr]
 
 
+def test_each_token_carries_its_logprobs_when_asked_with_the_texts_of_the_likeliest() -> None:
+    tokens = [event for event in run(prompt="hi", max_tokens=2, logprobs=2)
+              if isinstance(event, Token)]
+    total = np.log(np.e + 15)  # token 5's logit is 1, the other 15 are 0
+    assert [token.token for token in tokens] == [5, 5]
+    chances = tokens[0].logprobs
+    assert chances is not None
+    assert (chances["token"], chances["bytes"]) == (" w5", list(b" w5"))
+    assert chances["logprob"] == pytest.approx(1 - total)
+    assert chances["top_logprobs"][0]["token"] == " w5"
+    assert [top["logprob"] for top in chances["top_logprobs"]] == pytest.approx([1 - total, -total])
+    assert all(token.logprobs is None for token in run(prompt="hi", max_tokens=2)
+               if isinstance(token, Token))
+
+
+def test_the_sampling_fields_reach_the_sampler_and_the_penalties_see_the_prompt() -> None:
+    # "b" tokenizes to token 5 (after BOS, 1), the fake model's favourite: penalised from the start, it is not
+    # chosen; then 0 has been, and 2 is the first that has not.
+    events = run(prompt="b", max_tokens=2, presence_penalty=2.0)
+    assert [event.token for event in events if isinstance(event, Token)] == [0, 2]
+    events = run(prompt="a", max_tokens=2, presence_penalty=2.0)
+    assert [event.token for event in events if isinstance(event, Token)] == [5, 0]
+
+
+def test_a_schema_that_cannot_be_a_grammar_fails_the_request_naming_response_format() -> None:
+    engine = FakeEngine()
+    events = run(engine, prompt="hi", json_schema='{"type": "nonsense"}')
+    assert len(events) == 1 and isinstance(events[0], Failed)
+    assert events[0].field == "response_format" and events[0].id == 7
+    assert "response_format" in events[0].message and "nonsense" in events[0].message
+    assert engine.batches == []  # refused before any work
+
+
 def test_every_message_survives_the_wire_and_anything_else_is_refused() -> None:
     requests = [Generate(1, 8, prompt="hi"), Generate(2, 4, 0.7, 3, messages=[{"role": "user", "content": "é"}],
-                                                        replay=[5, 6]), Cancel(1), Shutdown()]
-    answers = [Ready(0.5, 512, 1000), Failed("no"), Failed("no", 3), PromptTokens(1, [1, 2]),
-               Progress(1, "prompt", 512, 900), Token(1, 5, " w"), Done(1, "stop", "", 2, 0, 1, 0.1, 0.2), Exited(-9)]
+                                                        replay=[5, 6]),
+                Generate(3, 4, prompt="x", top_k=0, top_p=0.5, min_p=0.0, repeat_penalty=1.1, repeat_last_n=8,
+                         presence_penalty=-0.5, frequency_penalty=0.5, logprobs=2, json_schema='{"type": "object"}'),
+                Cancel(1), Shutdown()]
+    chances: TokenLogprobs = {"token": " w", "logprob": -0.5, "bytes": [32, 119],
+                              "top_logprobs": [{"token": " w", "logprob": -0.5, "bytes": [32, 119]}]}
+    answers = [Ready(0.5, 512, 1000), Failed("no"), Failed("no", 3), Failed("bad", 3, "response_format"),
+               PromptTokens(1, [1, 2]), Progress(1, "prompt", 512, 900), Token(1, 5, " w"), Token(1, 5, " w", chances),
+               Done(1, "stop", "", 2, 0, 1, 0.1, 0.2), Exited(-9)]
     assert [decode_request(encode(message)) for message in requests] == requests
     assert [decode_answer(encode(message)) for message in answers] == answers
     for line in (b"llama.cpp writes to stdout\n", b'{"event": "token"}\n', b'{"op": "generate"}\n', b"[1]\n"):

@@ -251,3 +251,21 @@ def test_streamed_multibyte_text_arrives_whole_through_run(cluster: Cluster, llm
     assert run.returncode == 0, stderr
     assert whole_text("".join(reads)) == expected + "\n"
     assert len(reads) > 1
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "population": {"type": "integer"}}, "required": ["city", "population"]}
+
+
+def test_a_json_schema_answer_of_the_real_model_parses_and_follows_the_schema(cluster: Cluster) -> None:
+    api = openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
+                        timeout=300)
+    messages = [{"role": "user", "content": "Which is the capital of France, and how many people live there? "
+                                            "Answer in JSON."}]
+    answer = api.chat.completions.create(
+        model="any", messages=messages, max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    assert answer.choices[0].finish_reason == "stop", answer
+    value = json.loads(answer.choices[0].message.content or "")
+    assert set(value) == {"city", "population"} and isinstance(value["city"], str) and len(value["city"]) <= 24
+    assert isinstance(value["population"], int)

@@ -56,9 +56,10 @@ class Harness:
             assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {self.kinds()}"
             await self.controller.log.wait_change(0.05)
 
-    async def run(self, prompt: str, tokens: int, leave_after: int | None = None) -> tuple[str, dict[str, Any]]:
+    async def run(self, prompt: str, tokens: int, leave_after: int | None = None,
+                  stop: tuple[str, ...] = ()) -> tuple[str, dict[str, Any]]:
         """A request's streamed text and its done event; ``leave_after``: the client goes away after that many
-        tokens (a ConnectionError from its send)."""
+        tokens (a ConnectionError from its send); ``stop``: its stop strings."""
         texts: list[str] = []
         done: dict[str, Any] = {}
 
@@ -70,7 +71,7 @@ class Harness:
             elif event["event"] == "done":
                 done.update(event)
 
-        await self.controller.generate(GenerateRequest(prompt=prompt, max_tokens=tokens), send)
+        await self.controller.generate(GenerateRequest(prompt=prompt, max_tokens=tokens, stop=stop), send)
         return "".join(texts), done
 
 
@@ -186,6 +187,36 @@ def test_a_lost_coordinator_resumes_the_request_with_the_exact_replay(
             assert [recovery["at_token"] for recovery in done["recoveries"]] == [5]
             assert "exited with 134" in done["recoveries"][0]["cause"]
             assert fake.controller.supervisor.status.restarts == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_string_across_a_coordinator_restart_ends_the_request_and_is_never_sent(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, {"die_at": {"1": 5}}) as fake:
+            whole = expected("The cluster", 20)
+            before = expected("The cluster", 5)  # the coordinator dies after the 5th token's text is out
+            # The stop string ends the 5th token's text and begins the 6th's: its start is held back over the restart.
+            stop = before[-2:] + whole[len(before):len(before) + 3]
+            assert whole.find(stop) == len(before) - 2
+            pieces: list[str] = []
+
+            async def send(event: dict[str, Any]) -> None:
+                if event["event"] == "token":
+                    pieces.append(event["text"])
+                elif event["event"] == "done":
+                    pieces.append(json.dumps(event))
+
+            await fake.controller.generate(GenerateRequest(prompt="The cluster", max_tokens=20, stop=(stop, "zz")),
+                                           send)
+            done = json.loads(pieces.pop())
+            assert "".join(pieces) == done["text"] == before[:-2]
+            assert done["reason"] == "stop" and done["completion_tokens"] == 6
+            assert [recovery["at_token"] for recovery in done["recoveries"]] == [5]
+            # The stopped request was cancelled in the coordinator, which serves the next one whole.
+            text, done = await fake.run("the next", 10)
+            assert text == expected("the next", 10) and done["reason"] == "length"
 
     asyncio.run(scenario())
 

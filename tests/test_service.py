@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from core.errors import PromptError
@@ -15,6 +17,19 @@ from core.service import GenerateRequest
     ({"prompt": "a", "temperature": -1}, "temperature"), ({"prompt": "a", "temperature": float("nan")}, "temperature"),
     ({"prompt": "a", "seed": "x"}, "seed"), ({"messages": [1]}, "messages"), ({"messages": [{1: "a"}]}, "messages"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": 3}]}, "messages"),
+    ({"prompt": "a", "top_k": -1}, "top_k"), ({"prompt": "a", "top_k": 2.5}, "top_k"),
+    ({"prompt": "a", "top_k": True}, "top_k"), ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_p": "x"}, "top_p"), ({"prompt": "a", "min_p": -0.1}, "min_p"),
+    ({"prompt": "a", "repeat_penalty": 0}, "repeat_penalty"), ({"prompt": "a", "repeat_last_n": -1}, "repeat_last_n"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"prompt": "a", "stop": 3}, "stop"), ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"prompt": "a", "stop": ["a", 1]}, "stop"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"), ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"), ({"prompt": "a", "response_format": "json"}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "yaml"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
 ])
 def test_requests_of_the_wrong_shape_are_refused_by_name(request_: dict, field: str) -> None:
     with pytest.raises(PromptError, match="must be") as caught:
@@ -37,3 +52,35 @@ def test_a_good_request_is_normalised_and_travels_unchanged() -> None:
     chat = GenerateRequest.parse({"messages": [{"role": "user", "content": "hi"}, {"role": "system"}]}, context=64)
     assert chat.messages == (("user", "hi"), ("system", ""))
     assert GenerateRequest.parse(chat.to_dict(), context=64) == chat
+
+
+def test_left_out_sampling_fields_take_llama_servers_defaults() -> None:
+    request = GenerateRequest.parse({"prompt": "a", "top_p": None, "stop": None, "response_format": None}, context=64)
+    assert (request.top_k, request.top_p, request.min_p, request.repeat_penalty, request.repeat_last_n) == (
+        40, 0.95, 0.05, 1.0, 64)
+    assert (request.presence_penalty, request.frequency_penalty, request.stop, request.logprobs) == (0.0, 0.0, (), None)
+    assert request.json_schema is None
+
+
+def test_the_new_fields_are_normalised_and_travel_unchanged() -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    request = GenerateRequest.parse({
+        "prompt": "a", "top_k": 0, "top_p": 1, "min_p": 0, "repeat_penalty": 1.1, "repeat_last_n": 0,
+        "presence_penalty": -2, "frequency_penalty": 2, "stop": "\n\n", "logprobs": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+        context=64)
+    assert (request.top_k, request.top_p, request.min_p, request.stop, request.logprobs) == (0, 1.0, 0.0, ("\n\n",), 0)
+    assert request.json_schema == json.dumps(schema)  # the properties in their order: the grammar keeps it
+    assert GenerateRequest.parse(request.to_dict(), context=64) == request
+    assert GenerateRequest.parse({"prompt": "a", "stop": ["x", "yz"]}, context=64).stop == ("x", "yz")
+    assert json.loads(GenerateRequest.parse({"prompt": "a", "response_format": {"type": "json_object"}},
+                                            context=64).json_schema or "") == {"type": "object"}
+    assert GenerateRequest.parse({"prompt": "a", "response_format": {"type": "text"}}, context=64).json_schema is None
+
+
+def test_the_coordinator_gets_every_sampling_field_by_its_own_name() -> None:
+    from core.engine.protocol import Generate
+
+    request = GenerateRequest.parse({"prompt": "a", "top_k": 3, "logprobs": 2, "stop": "x"}, context=64)
+    message = Generate(1, request.max_tokens, request.temperature, request.seed, **request.sampling())
+    assert (message.top_k, message.logprobs, message.min_p) == (3, 2, 0.05)

@@ -88,7 +88,8 @@ def slot(rid: int, prompt: list[int], max_tokens: int, replay: list[int] | None 
     replay = replay or []
     return Slot(Generate(rid, max_tokens, prompt_tokens=prompt, replay=replay), seq=-1, prompt=prompt,
                 budget=min(max_tokens, CONTEXT - len(prompt)) - len(replay),
-                choose=lambda logits: int(np.argmax(logits)), replayed=lambda _token: None)
+                choose=lambda logits: int(np.argmax(logits)), accept=lambda _token: None,
+                replayed=lambda _token: None, explain=lambda _logits, _token: None)
 
 
 def scheduler(engine: FakeEngine, parallel: int = 1) -> tuple[Scheduler, list[Answer], Ids]:

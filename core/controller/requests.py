@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from core.engine.protocol import Answer, Cancel, Done, Exited, Failed, Generate,
 from core.errors import Busy, PromptError, RequestError
 from core.service import GenerateRequest, Send
 from core.status import CoordinatorState
+from core.stop_text import StopText
 
 MAX_RECOVERIES = 5  # per request
 # Events a request waiting for the cluster to come back passes on to its client, as notices.
@@ -197,7 +198,9 @@ class RequestProgress:
 
     prompt_tokens: list[int] | None = None
     generated: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # what the client was sent
+    # The text held back while it may become one of the request's stop strings, with the tokens' logprobs.
+    text: StopText[dict[str, Any]] = field(default_factory=StopText)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -242,7 +245,7 @@ class RequestRunner:
         self.log.notify()
         try:
             async with self.admission.place(), self.lock.request():
-                progress = RequestProgress()
+                progress = RequestProgress(text=StopText(request.stop))
                 self.current.append(progress)
                 try:
                     await self._resume_until_done(request, progress, send)
@@ -291,7 +294,8 @@ class RequestRunner:
                            prompt=request.prompt if prompt and request.messages is None else None,
                            messages=[{"role": role, "content": content} for role, content in request.messages]
                            if prompt and request.messages is not None else None,
-                           prompt_tokens=progress.prompt_tokens, replay=list(progress.generated))
+                           prompt_tokens=progress.prompt_tokens, replay=list(progress.generated),
+                           **request.sampling())
         self.supervisor.set_state(CoordinatorState.GENERATING)
         box = self._mailbox(messages, rid)
         try:
@@ -326,24 +330,24 @@ class RequestRunner:
                 self.supervisor.status.progress = ""
                 self._note_token(progress, answer)
                 try:
-                    await send({"event": "token", "text": answer.text})
+                    await _forward(progress, answer.text, answer.logprobs, send)
                 except ConnectionError:
-                    await self._cancel(process, messages, rid)
+                    await self._cancel(process, messages, rid, "client disconnected")
                     raise
+                if progress.text.stopped:  # checked here, in the controller, a stop holds across coordinator restarts
+                    done = await self._cancel(process, messages, rid, "the text reached a stop string")
+                    await self._finish(progress, done or _clocked(progress, rid), send)
+                    return None
             elif isinstance(answer, Failed):
                 self._idle()
-                raise PromptError(answer.message)
+                raise PromptError(answer.message, field=answer.field)
             elif isinstance(answer, Done):
                 self._idle()
-                self.served += 1
-                self.rates = {"prompt": _rate(answer.prompt_tokens, answer.prompt_s),
-                              "decode": _rate(answer.completion_tokens, answer.decode_s)}
                 await self._finish(progress, answer, send)
                 return None
 
     def _note_token(self, progress: RequestProgress, answer: Token) -> None:
         progress.generated.append(answer.token)
-        progress.texts.append(answer.text)
         if progress.first_token_s is None:
             progress.first_token_s = time.perf_counter() - progress.started
         last = progress.recoveries[-1] if progress.recoveries else None
@@ -352,26 +356,43 @@ class RequestRunner:
             self.log.record("recovered", f"request resumed at token {last['at_token']}, "
                             f"{last['first_token_after_s']:.2f}s after the fault was seen")
 
-    @staticmethod
-    async def _finish(progress: RequestProgress, answer: Done, send: Send) -> None:
-        if answer.text:
-            progress.texts.append(answer.text)
-            await send({"event": "token", "text": answer.text})
+    async def _finish(self, progress: RequestProgress, answer: Done, send: Send) -> None:
+        """The request is done: the last text (the decoder's tail, what stop strings held back), then `done`."""
+        self.served += 1
+        self.rates = {"prompt": _rate(answer.prompt_tokens, answer.prompt_s),
+                      "decode": _rate(answer.completion_tokens, answer.decode_s)}
+        await _forward(progress, answer.text, None, send)
+        text, logprobs = progress.text.finish()
+        await _send_text(progress, text, logprobs, send)
         await send({
-            "event": "done", "text": "".join(progress.texts), "reason": answer.reason,
+            "event": "done", "text": "".join(progress.texts),
+            "reason": "stop" if progress.text.stopped else answer.reason,
             "prompt_tokens": len(progress.prompt_tokens or []), "completion_tokens": len(progress.generated),
+            # prompt_n: what this coordinator evaluated before its first new token (after a recovery, the replay
+            # too); predicted_n: the tokens it then generated.
             "timings": {"total_s": time.perf_counter() - progress.started, "first_token_s": progress.first_token_s,
                         "prompt_s": answer.prompt_s, "decode_s": answer.decode_s,
-                        "decode_tokens_per_s": _rate(answer.completion_tokens, answer.decode_s)},
+                        "decode_tokens_per_s": _rate(answer.completion_tokens, answer.decode_s),
+                        "prompt_n": answer.prompt_tokens + answer.replayed_tokens,
+                        "predicted_n": answer.completion_tokens},
             "recoveries": progress.recoveries})
 
-    async def _cancel(self, process: asyncio.subprocess.Process, messages: asyncio.Queue[Answer], rid: int) -> None:
-        """The client went away: stop its request and wait until the coordinator is free again."""
-        self.log.record("cancelled", f"client disconnected; cancelling request {rid}")
+    async def _cancel(self, process: asyncio.subprocess.Process, messages: asyncio.Queue[Answer], rid: int,
+                      why: str) -> Done | None:
+        """Stop the request (its client went away, or its text is complete) and wait until the coordinator is free
+        again; its `Done`, unless the coordinator went away."""
+        self.log.record("cancelled", f"{why}; cancelling request {rid}")
         await _write(process, Cancel(rid))
-        await drain(messages, lambda answer: isinstance(answer, Exited) or (
-            isinstance(answer, Done | Failed) and answer.id == rid), self.bound_s)
+        ended: list[Answer] = []
+
+        def last(answer: Answer) -> bool:
+            if isinstance(answer, Exited) or (isinstance(answer, Done | Failed) and answer.id == rid):
+                ended.append(answer)
+            return bool(ended)
+
+        await drain(messages, last, self.bound_s)
         self._idle()
+        return ended[0] if ended and isinstance(ended[0], Done) else None
 
     def _idle(self) -> None:
         """A request ended: the coordinator is ready once none other generates."""
@@ -399,6 +420,26 @@ class RequestRunner:
                                 else event.message})
         if recoveries and "resumed_after_s" not in recoveries[-1]:
             recoveries[-1]["resumed_after_s"] = time.time() - recoveries[-1]["time"]
+
+
+async def _forward(progress: RequestProgress, text: str, logprobs: Mapping[str, Any] | None, send: Send) -> None:
+    """A token's text to the client, once no stop string can begin in it (with its logprobs, placed in the text)."""
+    item = None if logprobs is None else {**logprobs, "text_offset": progress.text.pushed}
+    await _send_text(progress, *progress.text.push(text, item), send)
+
+
+async def _send_text(progress: RequestProgress, text: str, logprobs: list[dict[str, Any]], send: Send) -> None:
+    if text or logprobs:
+        progress.texts.append(text)
+        await send({"event": "token", "text": text, **({"logprobs": logprobs} if logprobs else {})})
+
+
+def _clocked(progress: RequestProgress, rid: int) -> Done:
+    """The `Done` of a request whose coordinator went away before it sent one: times from the controller's clock."""
+    prompt_s = progress.first_token_s or 0.0
+    return Done(rid, "cancelled", "", prompt_tokens=len(progress.prompt_tokens or []), replayed_tokens=0,
+                completion_tokens=len(progress.generated), prompt_s=prompt_s,
+                decode_s=time.perf_counter() - progress.started - prompt_s)
 
 
 async def _write(process: asyncio.subprocess.Process, message: Generate | Cancel) -> None:

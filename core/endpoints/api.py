@@ -4,6 +4,10 @@
 `/health`. Every request goes through `Service.generate`, the path `ggml-cluster run` takes: requests
 queue first come, first served (one beyond the queue's bound is a 503 with Retry-After), and one in flight when
 a node fails is resumed like any other. With an API key, every route but `/health` needs it as a Bearer token.
+
+Each OpenAI field is used (the sampler's, `stop`, `logprobs`, `response_format`, `stream_options`), accepted as
+metadata that changes nothing (`user`, `store`, ...), or refused with a 400 that names it. Answers carry `usage` and
+llama-server's `timings`.
 """
 
 from __future__ import annotations
@@ -20,13 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.endpoints.auth import bearer_matches
 from core.errors import Busy, ClusterError, PromptError
-from core.service import GenerateRequest, Service
+from core.service import MAX_LOGPROBS, GenerateRequest, Service
 from core.status import CoordinatorState
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with no choices and the usage, as OpenAI sends it
+
+
 class _Request(BaseModel):
-    # OpenAI clients send fields this server does not use (user, logprobs: null, ...): accept and ignore them.
-    model_config = ConfigDict(extra="ignore")
+    # Every field is used, or refused by name (extra="forbid"): a client never gets an answer that silently left
+    # out something it asked for. A field sent as null counts as not sent (_parse drops it), as OpenAI's does.
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -34,8 +47,23 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     stop: str | list[str] | None = None
+    # The sampler's knobs; unset ones take llama-server's defaults (core.service), ranges are checked there.
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+    # Metadata that changes nothing in the answer.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 RequestT = TypeVar("RequestT", bound=_Request)
@@ -45,6 +73,7 @@ class CompletionRequest(_Request):
     """POST /v1/completions."""
 
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (legacy shape)
 
 
 class ChatMessage(BaseModel):
@@ -67,6 +96,8 @@ class ChatRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -104,8 +135,12 @@ def _authenticate(key: str) -> Middleware:
 
 
 def _invalid(exc: ValidationError) -> web.Response:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # A field this server does not implement says so first: its value is beside the point.
+    first = next((error for error in errors if error["type"] == "extra_forbidden"), errors[0])
     param = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return _fail(400, f"field {param} is not supported by this server", "invalid_request_error", param)
     if param == "n":
         return _fail(400, "only n=1 is supported", "invalid_request_error", "n")
     return _fail(400, f"{param}: {first['msg']}", "invalid_request_error", param)
@@ -120,13 +155,10 @@ async def _parse(request: web.Request, model: type[RequestT]) -> RequestT | web.
     if not isinstance(body, dict):
         return _fail(400, "the request body must be a JSON object", "invalid_request_error")
     try:
-        parsed = model.model_validate(body)
+        # null is OpenAI's "not given" (clients send logit_bias: null, tools: null, ...): not a request to refuse.
+        return model.model_validate({name: value for name, value in body.items() if value is not None})
     except ValidationError as exc:
         return _invalid(exc)
-    if parsed.stop:
-        return _fail(400, "stop sequences are not supported by this server; leave out 'stop' (generation ends at "
-                     "the model's end-of-text token or max_tokens)", "invalid_request_error", "stop")
-    return parsed
 
 
 @dataclass
@@ -170,31 +202,41 @@ class _Api:
         prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
         if len(prompts) != 1:
             return _fail(400, "send one prompt per request", "invalid_request_error", "prompt")
-        return await self._serve(request, parsed, {"prompt": prompts[0], **self._sampling(parsed, 16)}, chat=False)
+        job = {"prompt": prompts[0], **self._sampling(parsed, 16, parsed.logprobs)}
+        return await self._serve(request, parsed, job, _Shape(chat=False, offset=len(prompts[0])))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         parsed = await _parse(request, ChatRequest)
         if isinstance(parsed, web.Response):
             return parsed
-        job = {"messages": [message.plain() for message in parsed.messages], **self._sampling(parsed, None)}
-        return await self._serve(request, parsed, job, chat=True)
+        if parsed.top_logprobs is not None and not parsed.logprobs:
+            return _fail(400, "top_logprobs needs logprobs: true", "invalid_request_error", "top_logprobs")
+        logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
+        job = {"messages": [message.plain() for message in parsed.messages],
+               **self._sampling(parsed, None, logprobs)}
+        return await self._serve(request, parsed, job, _Shape(chat=True))
 
-    def _sampling(self, parsed: _Request, default_max: int | None) -> dict[str, Any]:
+    def _sampling(self, parsed: _Request, default_max: int | None, logprobs: int | None) -> dict[str, Any]:
         # No max_tokens on a chat: until the model stops or the context is full (the coordinator caps it).
         limit = parsed.max_completion_tokens or parsed.max_tokens or default_max or self.service.context
-        return {"max_tokens": limit, "temperature": parsed.temperature, "seed": parsed.seed}
+        # Fields left out (None) take GenerateRequest's defaults; it checks the ranges and names what is wrong.
+        return {"max_tokens": limit, "logprobs": logprobs, **parsed.model_dump(include={
+            "temperature", "seed", "stop", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
+            "presence_penalty", "frequency_penalty", "response_format"})}
 
     async def _serve(self, request: web.Request, parsed: _Request, fields: dict[str, Any],
-                     chat: bool) -> web.StreamResponse:
+                     shape: _Shape) -> web.StreamResponse:
         try:
             job = GenerateRequest.parse(fields, self.service.context)
         except PromptError as exc:
             return _fail(400, str(exc), "invalid_request_error", exc.field)
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        ident = f"{'chatcmpl' if shape.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if parsed.stream:
-            return await self._stream(request, job, chat, ident, created)
+            usage_chunk = parsed.stream_options is not None and parsed.stream_options.include_usage
+            return await self._stream(request, job, shape, ident, created, usage_chunk=usage_chunk)
         texts: list[str] = []
+        logprobs: list[dict[str, Any]] = []
         done: dict[str, Any] = {}
 
         async def collect(event: dict[str, Any]) -> None:
@@ -202,57 +244,87 @@ class _Api:
                 done.update(event)
             elif event.get("event") == "token":
                 texts.append(event["text"])
+                logprobs.extend(event.get("logprobs", ()))
 
         try:
             await self.service.generate(job, collect)
         except PromptError as exc:
-            return _fail(400, str(exc), "invalid_request_error")
+            return _fail(400, str(exc), "invalid_request_error", exc.field)
         except ClusterError as exc:
             return _unavailable(exc)
         text, reason = "".join(texts), _finish_reason(done)
+        chances = shape.logprobs(logprobs) if job.logprobs is not None else None
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": reason, "logprobs": None} if chat else
-                                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+                                   "finish_reason": reason, "logprobs": chances} if shape.chat else
+                                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": chances})
         return web.json_response({
-            "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": self.model_id, "choices": [choice], "usage": _usage(done)})
+            "id": ident, "object": "chat.completion" if shape.chat else "text_completion", "created": created,
+            "model": self.model_id, "choices": [choice], "usage": _usage(done), "timings": _timings(done)})
 
-    async def _stream(self, request: web.Request, job: GenerateRequest, chat: bool, ident: str,
-                      created: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: GenerateRequest, shape: _Shape, ident: str,
+                      created: int, *, usage_chunk: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        chat = shape.chat
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        async def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        async def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
             data = {"id": ident, "object": kind, "created": created, "model": self.model_id,
-                    "choices": [{"index": 0, **choice}], **(extra or {})}
+                    "choices": choices, **(extra or {})}
             if not response.prepared:
                 await response.prepare(request)
             await response.write(f"data: {json.dumps(data)}\n\n".encode())
 
+        def choice(text: str | None, reason: str | None, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            chances = shape.logprobs(logprobs) if logprobs else None
+            if chat:
+                return [{"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": reason,
+                         "logprobs": chances}]
+            return [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": chances}]
+
         async def relay(event: dict[str, Any]) -> None:
             if chat and not response.prepared and event.get("event") in ("token", "done"):
                 # The role comes first; sent with the first token, so an error before it still gets a status.
-                await chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None})
-            if event.get("event") == "token" and event["text"]:
-                await chunk({"delta": {"content": event["text"]}, "finish_reason": None, "logprobs": None}
-                            if chat else {"text": event["text"], "finish_reason": None, "logprobs": None})
+                await chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                              "logprobs": None}])
+            if event.get("event") == "token":
+                await chunk(choice(event["text"], None, event.get("logprobs", [])))
             elif event.get("event") == "done":
-                reason = _finish_reason(event)
-                await chunk({"delta": {}, "finish_reason": reason, "logprobs": None} if chat else
-                            {"text": "", "finish_reason": reason, "logprobs": None}, {"usage": _usage(event)})
+                await chunk(choice(None, _finish_reason(event), []),
+                            {"usage": _usage(event), "timings": _timings(event)})
+                if usage_chunk:  # OpenAI's shape: one more chunk, without choices, that carries the usage
+                    await chunk([], {"usage": _usage(event)})
 
         try:
             await self.service.generate(job, relay)
         except ClusterError as exc:
             if not response.prepared:  # nothing sent yet: a plain error response with its status
-                return _fail(400, str(exc), "invalid_request_error") if isinstance(exc, PromptError) else \
-                    _unavailable(exc)
+                return _fail(400, str(exc), "invalid_request_error", exc.field) if isinstance(exc, PromptError) \
+                    else _unavailable(exc)
             await response.write(f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode())
         if not response.prepared:
             await response.prepare(request)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Which answer shape: a chat's, or a legacy completion's (whose text offsets count from the prompt's start,
+    ``offset`` characters before the completion's)."""
+
+    chat: bool
+    offset: int = 0
+
+    def logprobs(self, tokens: list[dict[str, Any]]) -> dict[str, Any]:
+        """The ``logprobs`` of a choice for these tokens' entries (the controller's token events)."""
+        if self.chat:
+            return {"content": [{"token": entry["token"], "logprob": entry["logprob"], "bytes": entry["bytes"],
+                                 "top_logprobs": entry["top_logprobs"]} for entry in tokens]}
+        return {"tokens": [entry["token"] for entry in tokens],
+                "token_logprobs": [entry["logprob"] for entry in tokens],
+                "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in tokens],
+                "text_offset": [self.offset + entry["text_offset"] for entry in tokens]}
 
 
 def _finish_reason(done: dict[str, Any]) -> str:
@@ -262,6 +334,17 @@ def _finish_reason(done: dict[str, Any]) -> str:
 def _usage(done: dict[str, Any]) -> dict[str, int]:
     prompt, completion = int(done.get("prompt_tokens", 0)), int(done.get("completion_tokens", 0))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _timings(done: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's ``timings``: the prompt (after a recovery, with the replay) and the generation that followed."""
+    timings = done.get("timings") or {}
+    shown: dict[str, Any] = {}
+    for name, seconds in (("prompt", "prompt_s"), ("predicted", "decode_s")):
+        count, ms = int(timings.get(f"{name}_n", 0)), 1000.0 * float(timings.get(seconds) or 0.0)
+        shown |= {f"{name}_n": count, f"{name}_ms": ms, f"{name}_per_token_ms": ms / count if count else None,
+                  f"{name}_per_second": 1000.0 * count / ms if ms > 0 else None}
+    return shown
 
 
 async def serve_api(service: Service, host: str, port: int, key: str | None) -> ApiServer:

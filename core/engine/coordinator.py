@@ -41,13 +41,14 @@ from core.engine.protocol import (
     Ready,
     Request,
     Shutdown,
+    TokenLogprobs,
+    TopLogprob,
     decode_request,
     encode,
 )
+from core.engine.sampling import GrammarError, logprobs, sampler_for
 from core.engine.slots import ComputeFailure, Entry, PersistentComputeFailure, Scheduler, Slot
 
-TOP_K = 40
-TOP_P = 0.95
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
 # client answers "supported" for every op, so on a cluster auto means on (llama-bench, llama-server and
 # llama-cli all run that way). llama-cpp-python can only say on or off, and its default, off, builds a graph
@@ -236,21 +237,6 @@ def last_logits(lib: Any, llm: Any, n_vocab: int) -> np.ndarray:
     return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
 
 
-def choose_token(logits: np.ndarray, temperature: float, rng: np.random.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise top-k, top-p sampling with one draw from ``rng`` per token."""
-    if temperature <= 0 or rng is None:
-        return int(np.argmax(logits))
-    top = np.argpartition(logits, -TOP_K)[-TOP_K:] if logits.size > TOP_K else np.arange(logits.size)
-    top = top[np.argsort(logits[top])[::-1]]
-    scaled = logits[top].astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    keep = int(np.searchsorted(np.cumsum(probs), TOP_P)) + 1
-    probs = probs[:keep] / probs[:keep].sum()
-    index = int(np.searchsorted(np.cumsum(probs), rng.random()))
-    return int(top[min(index, keep - 1)])
-
-
 class Generator:
     """A loaded model: turns requests into slots for the scheduler (core.engine.slots)."""
 
@@ -303,16 +289,30 @@ class Generator:
             return Failed("the prompt is empty", rid)
         if len(prompt) >= self.context:
             return Failed(f"the prompt has {len(prompt)} tokens; the context holds {self.context}", rid)
-        seed, temperature = request.seed, request.temperature
-        rng = np.random.default_rng(seed % (1 << 64) if isinstance(seed, int) else None) if temperature > 0 else None
+        try:
+            sampler = sampler_for(request, self.lib, self.vocab, self.n_vocab)
+        except GrammarError as exc:
+            return Failed(f"response_format: {exc}", rid, field="response_format")
+        for token in prompt:
+            sampler.accept(token, generated=False)  # the penalties look back over the prompt too, as llama-server's
+        top_n = request.logprobs
 
-        def replayed(_token: int) -> None:
-            if rng is not None:
-                rng.random()  # the draw a replayed token consumed when it was first sampled
+        def explain(logits: np.ndarray, token: int) -> TokenLogprobs | None:
+            return self.logprobs(logits, token, top_n) if top_n is not None else None
 
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
-                    choose=lambda logits: choose_token(logits, temperature, rng), replayed=replayed)
+                    choose=sampler.choose, accept=sampler.accept, replayed=sampler.replayed, explain=explain)
+
+    def logprobs(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+        """The chosen token's log-probability and the ``top_n`` likeliest tokens', with their texts."""
+        found = logprobs(logits, token, top_n)
+        return {**self._piece(token, found.logprob),
+                "top_logprobs": [self._piece(other, logprob) for other, logprob in found.top]}
+
+    def _piece(self, token: int, logprob: float) -> TopLogprob:
+        piece = self.llm.detokenize([token])
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
 
 
 class LlamaEngine:

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypedDict
+
+from core.service import (
+    DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
+    DEFAULT_REPEAT_PENALTY,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+)
 
 EXIT_COMPUTE_FAILED = 3  # the coordinator's exit code after a persistent compute failure (ComputeFailed.persistent)
 # enum ggml_status (ggml.h) values other than GGML_STATUS_SUCCESS, as a worker reports them.
@@ -30,7 +38,10 @@ def status_name(status: int) -> str:
 
 @dataclass(frozen=True)
 class Generate:
-    """Run one request; ``prompt_tokens`` (the prompt as first tokenised) wins over ``messages`` and ``prompt``."""
+    """Run one request; ``prompt_tokens`` (the prompt as first tokenised) wins over ``messages`` and ``prompt``.
+
+    The sampling fields mean what core.service.GenerateRequest's of the same names do (llama-server's defaults).
+    """
 
     id: int
     max_tokens: int
@@ -40,6 +51,15 @@ class Generate:
     messages: list[dict[str, str]] | None = None
     prompt_tokens: list[int] | None = None
     replay: list[int] = field(default_factory=list)
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
+    min_p: float = DEFAULT_MIN_P
+    repeat_penalty: float = DEFAULT_REPEAT_PENALTY
+    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None     # alternatives per token in each Token's logprobs; None: no logprobs
+    json_schema: str | None = None  # JSON text of the schema the output must follow (llama.cpp's grammar sampler)
 
 
 @dataclass(frozen=True)
@@ -65,10 +85,11 @@ class Ready:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request (``id``) or the start-up (no ``id``) failed."""
+    """A request (``id``) or the start-up (no ``id``) failed; ``field``: the request field at fault, if one is."""
 
     message: str
     id: int | None = None
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,13 +110,28 @@ class Progress:
     total: int
 
 
+class TopLogprob(TypedDict):
+    """One of the likeliest tokens at a position: its text (invalid UTF-8 replaced), bytes and log-probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobs(TopLogprob):
+    """The chosen token's log-probability under the model (before any sampling knob), and the likeliest tokens."""
+
+    top_logprobs: list[TopLogprob]
+
+
 @dataclass(frozen=True)
 class Token:
-    """One new token and the text it completes (multi-byte characters arrive whole)."""
+    """One new token and the text it completes (multi-byte characters arrive whole); its logprobs when asked."""
 
     id: int
     token: int
     text: str
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from core.engine.protocol import (
     Progress,
     PromptTokens,
     Token,
+    TokenLogprobs,
 )
 
 PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
@@ -118,6 +119,7 @@ class PersistentComputeFailure(Exception):
 
 
 Choose = Callable[[np.ndarray], int]  # a request's sampler: logits → token
+Explain = Callable[[np.ndarray, int], TokenLogprobs | None]  # the logprobs a request asked for, of a chosen token
 
 
 @dataclass
@@ -129,7 +131,9 @@ class Slot:
     prompt: list[int]
     budget: int                # new tokens it may still generate
     choose: Choose
-    replayed: Callable[[int], None]  # a replayed token, for the sampler's state (its random draw, its history)
+    accept: Callable[[int], None]    # a token chosen and kept (the sampler's history, its grammar)
+    replayed: Callable[[int], None]  # a replayed token: its random draw, history and grammar step, as first chosen
+    explain: Explain
     started: float = field(default_factory=time.perf_counter)
     n_past: int = 0            # tokens in its KV cells
     evaluated: int = 0         # of the prompt
@@ -304,12 +308,15 @@ class Scheduler:
         if slot.generated >= slot.budget:
             self._finish(slot, "length")
             return
-        token = slot.choose(self.engine.logits(index))
+        logits = self.engine.logits(index)
+        token = slot.choose(logits)
         if self.engine.is_end(token):
             self._finish(slot, "stop")
             return
+        slot.accept(token)
         slot.generated += 1
-        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token))))
+        # Read before the next step overwrites the logits.
+        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), slot.explain(logits, token)))
         if slot.generated < slot.budget:
             slot.pending = token
         else:

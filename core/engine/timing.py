@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from core.engine.coordinator import FLASH_ATTENTION, choose_token, emit, last_logits, register_rpc_servers
-from core.engine.protocol import Token
+from core.engine.coordinator import FLASH_ATTENTION, emit, last_logits, register_rpc_servers
+from core.engine.protocol import Generate, Token
+from core.engine.sampling import Sampler, SamplingParams
 from core.planner import PROFILE_BATCH, PROFILE_CONTEXT, split_for_counts
 
 WARMUP_TOKENS = 4  # first decode steps allocate and warm caches
@@ -51,6 +52,7 @@ class TimedRun:
         self.current = last_logits(self._lib, self.llm, self.n_vocab)
         self.token = self.llm.token_bos()
         self._batch = llama_cpp.llama_batch_init(1, 0, 1)
+        self.sampler = Sampler(SamplingParams.of(Generate(0, TIMED_TOKENS)))  # greedy, as a request at temperature 0
 
     def close(self) -> None:
         """Free the batch and the model."""
@@ -73,7 +75,7 @@ class TimedRun:
     def step(self, out: IO[str]) -> float:
         """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
         started = time.perf_counter()
-        token = self.token = choose_token(self.current, 0.0, None)
+        token = self.token = self.sampler.choose(self.current)
         emit(out, Token(0, token, self.decoder.decode(self.llm.detokenize([token]))))  # as the coordinator does
         self.llm.eval([token])
         self.current = last_logits(self._lib, self.llm, self.n_vocab)
