@@ -248,6 +248,11 @@ class Inventory(_Frozen):
         return self._api_key
 
     @property
+    def kv_tokens(self) -> int:
+        """KV cells the coordinator holds: ``context`` for each of the API's parallel slots."""
+        return self.context * self.api.parallel
+
+    @property
     def model_path(self) -> Path | None:
         """The model file, resolved against the inventory's folder; None means the built-in demo model."""
         if self.model is None:

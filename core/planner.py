@@ -388,7 +388,7 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         raise PlanError("the nodes' speeds have not been measured (the cluster runs the "
                         f"'{snapshot.strategy or inventory.strategy}' strategy)",
                         "fix: run `ggml-cluster profile` to measure them")
-    plan = choose(strategy, model, capacities, inventory.context, speeds=measured[0] if measured else None,
+    plan = choose(strategy, model, capacities, inventory.kv_tokens, speeds=measured[0] if measured else None,
                   objective=objective or inventory.objective)
     if measured is not None:
         plan = with_prediction(plan, measured[0], model, measured[1])
@@ -400,10 +400,10 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         index = plan.nodes.index(node.name)
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
-                   context=inventory.context)
+                   context=inventory.kv_tokens)
         layers = plan.layers[index]
         if layers is not None and layers[1] == model.n_layers - 1:
-            why += "; " + output_note(model, inventory.context, speed)
+            why += "; " + output_note(model, inventory.kv_tokens, speed)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
                             capacities[index].usable, why, predicted))

@@ -160,7 +160,7 @@ def test_run_is_told_the_cluster_is_busy_and_when_to_retry(
                 if event["event"] == "token":
                     first.set()
                     if len(rate) < 1 and controller.requests.current and \
-                            len(controller.requests.current.generated) > 3:
+                            len(controller.requests.current[0].generated) > 3:
                         rate.append(controller.snapshot().aggregate_decode_tokens_per_s)
 
             try:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from core.engine.coordinator import RETRY_DELAYS_S
+from core.engine.slots import RETRY_DELAYS_S
 from core.model import write_demo_model
 from core.nodes.build import worker_binary
 from tests.harness import Cluster, alive, free_port, listening, run_with_fault

@@ -3,10 +3,7 @@ it renders chats, on a real llama-cpp-python vocabulary."""
 
 from __future__ import annotations
 
-import ctypes
 import inspect
-import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +13,8 @@ import pytest
 
 from core.engine.coordinator import (
     NO_CHAT_TEMPLATE,
-    RETRY_DELAYS_S,
-    ComputeFailure,
     CoordinatorConfig,
     Generator,
-    PersistentComputeFailure,
     RequestIds,
     chat_format,
     load_chat,
@@ -46,33 +40,24 @@ from core.engine.protocol import (
     encode,
     status_name,
 )
+from core.engine.slots import Scheduler, Slot
 from core.inventory import CHAT_FORMATS
 from core.model import DEMO_CHAT_TEMPLATE, write_demo_model
+from tests.test_slots import FakeEngine, Ids
 
 
 class FakeLlama:
-    """Just enough of `llama_cpp.Llama`: a graph that goes on running after ``eval`` returns, as RPC's does."""
+    """Just enough of `llama_cpp.Llama` to prepare a request."""
 
-    n_batch = 512
-
-    def __init__(self, graph_s: float = 0.0, n_vocab: int = 16) -> None:
-        self.graph_s = graph_s
-        self.ready_at = 0.0
-        self.logits = np.zeros(n_vocab, dtype=np.float32)
-        self.logits[5] = 1.0  # greedy always picks token 5
-        self.evals: list[list[int]] = []
-        self.n_tokens = 0
-        self.fail_evals: set[int] = set()  # these evals (by index) raise, as llama_decode's error does
-        self.ctx = object()
+    def __init__(self) -> None:
         self.model = object()
         self.metadata: dict[str, str] = {}
-        self._n_vocab = n_vocab
 
     def n_ctx(self) -> int:
         return 4096
 
     def n_vocab(self) -> int:
-        return self._n_vocab
+        return 16
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         return [1] * add_bos + [3 + byte % 8 for byte in text]
@@ -80,95 +65,41 @@ class FakeLlama:
     def detokenize(self, tokens: list[int]) -> bytes:
         return b"".join(b" w%d" % token for token in tokens)
 
-    def reset(self) -> None:
-        self.evals.clear()
-        self.n_tokens = 0
-
-    def eval(self, tokens: list[int]) -> None:
-        self.evals.append(list(tokens))
-        if len(self.evals) - 1 in self.fail_evals:
-            raise RuntimeError("llama_decode returned -3")
-        self.n_tokens += len(tokens)
-        self.ready_at = time.monotonic() + self.graph_s
-
 
 class FakeLib:
-    """The llama_cpp module's C calls the coordinator makes; reading logits waits for the graph."""
-
-    def __init__(self, llm: FakeLlama) -> None:
-        self.llm = llm
+    """The llama_cpp module's calls a Generator makes."""
 
     def llama_model_get_vocab(self, model: object) -> None:
         return None
 
-    def llama_vocab_is_eog(self, vocab: object, token: int) -> bool:
-        return False
 
-    def llama_synchronize(self, ctx: object) -> None:
-        time.sleep(max(0.0, self.llm.ready_at - time.monotonic()))
-
-    def llama_get_logits_ith(self, ctx: object, index: int) -> Any:
-        self.llama_synchronize(ctx)
-        return self.llm.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+def prepare(**request: Any) -> Slot | Failed:
+    return Generator(FakeLlama(), FakeLib()).prepare(Generate(**{"id": 7, "max_tokens": 4, **request}))
 
 
-class FakeComputeStatus:
-    """The patched RPC client's failure record: reports a failure after the evals (by index) in ``failing``."""
-
-    def __init__(self, llm: FakeLlama, failing: set[int]) -> None:
-        self.llm = llm
-        self.failing = failing
-        self.taken: set[int] = set()
-
-    def take(self) -> ComputeFailure | None:
-        step = len(self.llm.evals) - 1
-        if step in self.failing and step not in self.taken:
-            self.taken.add(step)
-            return ComputeFailure("127.0.0.1:50052", 0, -1, 1)
-        return None
+def run(engine: FakeEngine | None = None, **request: Any) -> list[Answer]:
+    """A request prepared by a Generator and run on its own in the slots, over a fake model whose favourite token
+    is 5 (logit 1, the others 0)."""
+    prepared = prepare(**request)
+    if isinstance(prepared, Failed):
+        return [prepared]
+    events: list[Answer] = []
+    scheduler = Scheduler(engine or FakeEngine(), 1, events.append, Ids())
+    scheduler.add(prepared)
+    while scheduler.busy:
+        scheduler.step()
+    return events
 
 
-def generator(llm: FakeLlama, failing: set[int] | None = None) -> Generator:
-    """A Generator over the fake model, as the coordinator builds one over a loaded model."""
-    compute = FakeComputeStatus(llm, failing) if failing is not None else None
-    return Generator(llm, FakeLib(llm), compute=compute)  # type: ignore[arg-type]
-
-
-def run(made: Generator, **request: Any) -> list[Answer]:
-    out = io.StringIO()
-    made.generate(Generate(**{"id": 7, "max_tokens": 4, **request}), out)
-    return [decode_answer(line) for line in out.getvalue().splitlines()]
-
-
-def test_prompt_time_covers_the_whole_graph_not_only_the_call_that_starts_it() -> None:
-    events = run(generator(FakeLlama(graph_s=0.3)), prompt="hello", max_tokens=1)
-    done = events[-1]
-    assert isinstance(done, Done) and done.completion_tokens == 1
-    assert done.prompt_s >= 0.3, done  # the graph was still running when eval() returned
-    assert done.decode_s < 0.3, done
-
-
-def test_a_long_prompt_is_evaluated_in_batches_and_each_is_reported() -> None:
-    llm = FakeLlama()
-    events = run(generator(llm), prompt="x" * 1299, max_tokens=2)
-    assert [len(batch) for batch in llm.evals[:3]] == [512, 512, 276]  # as Llama.eval batches it (n_batch)
-    progress = [event for event in events if isinstance(event, Progress)]
-    assert [(event.phase, event.done, event.total) for event in progress] == [
-        ("prompt", 512, 1300), ("prompt", 1024, 1300), ("prompt", 1300, 1300)]
-
-
-def test_a_replay_reports_progress_while_it_runs() -> None:
-    llm = FakeLlama(graph_s=0.01)
-    events = run(generator(llm), prompt_tokens=[1, 2, 3], replay=[5] * 80, max_tokens=82)
-    assert llm.evals[1:81] == [[5]] * 80  # one at a time, as first decoded
-    progress = [event for event in events if isinstance(event, Progress) and event.phase == "replay"]
-    assert progress and progress[-1].done == 80 and progress[-1].total == 80
-    assert len(progress) < 80  # reported every so often, not a line per token
+def test_a_request_becomes_a_slot_with_its_budget_or_is_refused_with_why() -> None:
+    made = prepare(prompt="hi", max_tokens=10, replay=[5, 5, 5])
+    assert isinstance(made, Slot) and made.prompt == [1, 3 + ord("h") % 8, 3 + ord("i") % 8] and made.budget == 7
+    assert prepare(prompt_tokens=[2] * 4096) == Failed("the prompt has 4096 tokens; the context holds 4096", 7)
+    assert prepare(prompt_tokens=[2] * 4090, max_tokens=100).budget == 6  # type: ignore[union-attr]
 
 
 def test_each_token_carries_its_logprobs_when_asked_with_the_texts_of_the_likeliest() -> None:
-    llm = FakeLlama()
-    tokens = [event for event in run(generator(llm), prompt="hi", max_tokens=2, logprobs=2)
+    tokens = [event for event in run(prompt="hi", max_tokens=2, logprobs=2)
               if isinstance(event, Token)]
     total = np.log(np.e + 15)  # token 5's logit is 1, the other 15 are 0
     assert [token.token for token in tokens] == [5, 5]
@@ -178,26 +109,26 @@ def test_each_token_carries_its_logprobs_when_asked_with_the_texts_of_the_likeli
     assert chances["logprob"] == pytest.approx(1 - total)
     assert chances["top_logprobs"][0]["token"] == " w5"
     assert [top["logprob"] for top in chances["top_logprobs"]] == pytest.approx([1 - total, -total])
-    assert all(token.logprobs is None for token in run(generator(FakeLlama()), prompt="hi", max_tokens=2)
+    assert all(token.logprobs is None for token in run(prompt="hi", max_tokens=2)
                if isinstance(token, Token))
 
 
 def test_the_sampling_fields_reach_the_sampler_and_the_penalties_see_the_prompt() -> None:
     # "b" tokenizes to token 5 (after BOS, 1), the fake model's favourite: penalised from the start, it is not
     # chosen; then 0 has been, and 2 is the first that has not.
-    events = run(generator(FakeLlama()), prompt="b", max_tokens=2, presence_penalty=2.0)
+    events = run(prompt="b", max_tokens=2, presence_penalty=2.0)
     assert [event.token for event in events if isinstance(event, Token)] == [0, 2]
-    events = run(generator(FakeLlama()), prompt="a", max_tokens=2, presence_penalty=2.0)
+    events = run(prompt="a", max_tokens=2, presence_penalty=2.0)
     assert [event.token for event in events if isinstance(event, Token)] == [5, 0]
 
 
 def test_a_schema_that_cannot_be_a_grammar_fails_the_request_naming_response_format() -> None:
-    llm = FakeLlama()
-    events = run(generator(llm), prompt="hi", json_schema='{"type": "nonsense"}')
+    engine = FakeEngine()
+    events = run(engine, prompt="hi", json_schema='{"type": "nonsense"}')
     assert len(events) == 1 and isinstance(events[0], Failed)
     assert events[0].field == "response_format" and events[0].id == 7
     assert "response_format" in events[0].message and "nonsense" in events[0].message
-    assert llm.evals == []  # refused before any work
+    assert engine.batches == []  # refused before any work
 
 
 def test_every_message_survives_the_wire_and_anything_else_is_refused() -> None:
@@ -304,49 +235,5 @@ def test_a_template_file_is_used_instead_of_the_ggufs(vocab: Any, tmp_path: Path
 
 
 def test_a_chat_without_any_template_is_refused_with_the_fix() -> None:
-    events = run(generator(FakeLlama()), messages=CHAT)
-    assert events == [Failed(f"cannot render the chat: {NO_CHAT_TEMPLATE}", 7)]
+    assert prepare(messages=CHAT) == Failed(f"cannot render the chat: {NO_CHAT_TEMPLATE}", 7)
     assert "chat_template" in NO_CHAT_TEMPLATE
-
-
-def test_a_step_reported_failed_with_its_logits_is_retried_in_place_and_the_text_is_unchanged() -> None:
-    clean = run(generator(FakeLlama()), prompt_tokens=[1, 2, 3], max_tokens=4)
-    llm = FakeLlama()
-    events = run(generator(llm, failing={2}), prompt_tokens=[1, 2, 3], max_tokens=4)  # eval 2: the 2nd token's step
-    assert [event for event in events if isinstance(event, Token)] == [
-        event for event in clean if isinstance(event, Token)]
-    assert llm.evals == [[1, 2, 3], [5], [5], [5], [5]]  # the failed step once more, nothing else
-    assert llm.n_tokens == 6  # its first, failed, evaluation was undone: prompt + 3 steps
-    failed = [event for event in events if isinstance(event, ComputeFailed | ComputeRetried)]
-    assert len(failed) == 2 and isinstance(failed[0], ComputeFailed) and isinstance(failed[1], ComputeRetried)
-    assert (failed[0].endpoint, failed[0].status, failed[0].attempt, failed[0].id, failed[0].persistent) == (
-        "127.0.0.1:50052", -1, 1, 7, False)
-    assert failed[1].attempts == 1 and failed[1].retry_ms >= 0 and failed[1].id == 7
-
-
-def test_a_step_that_llama_decode_reports_failed_is_retried_in_place() -> None:
-    llm = FakeLlama()
-    llm.fail_evals = {0}
-    events = run(generator(llm, failing={0}), prompt_tokens=[1, 2, 3], max_tokens=2)
-    assert llm.evals[:2] == [[1, 2, 3], [1, 2, 3]]
-    assert isinstance(events[-1], Done) and events[-1].completion_tokens == 2
-
-
-def test_a_decode_error_that_no_worker_reported_is_not_retried() -> None:
-    llm = FakeLlama()
-    llm.fail_evals = {0}
-    with pytest.raises(RuntimeError, match="llama_decode returned -3"):
-        run(generator(llm, failing=set()), prompt_tokens=[1, 2, 3], max_tokens=2)
-    assert llm.evals == [[1, 2, 3]]
-
-
-def test_a_failure_that_persists_gives_up_after_the_retries_for_the_restart_path() -> None:
-    llm = FakeLlama()
-    made = generator(llm, failing=set(range(100)))
-    out = io.StringIO()
-    with pytest.raises(PersistentComputeFailure):
-        made.generate(Generate(7, 4, prompt_tokens=[1, 2, 3]), out)
-    failed = [decode_answer(line) for line in out.getvalue().splitlines()]
-    failed = [event for event in failed if isinstance(event, ComputeFailed)]
-    assert [event.attempt for event in failed] == list(range(1, len(RETRY_DELAYS_S) + 2))
-    assert [event.persistent for event in failed] == [False] * len(RETRY_DELAYS_S) + [True]

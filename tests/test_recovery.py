@@ -260,8 +260,8 @@ def test_a_stopped_worker_is_named_and_killed_by_the_watchdog(
     async def scenario() -> None:
         async with cluster(tmp_path, model, monkeypatch, {"stall_at": {"1": 4}}) as fake:
             runner = asyncio.ensure_future(fake.run("stop", 10))
-            await fake.until(lambda: fake.controller.requests.current is not None
-                             and len(fake.controller.requests.current.generated) == 4, "four tokens")
+            await fake.until(lambda: fake.controller.requests.current
+                             and len(fake.controller.requests.current[0].generated) == 4, "four tokens")
             fake.workers["n1"].stopped = True  # SIGSTOP: the pipeline waits on it forever
             await fake.until(lambda: fake.workers["n1"].kills == 1, "the watchdog's kill")
             text, done = await runner
@@ -282,8 +282,8 @@ def test_an_adopted_worker_has_its_pid_and_when_stopped_is_named_by_the_watchdog
                 "adopted the running worker"] * 2
             assert {name: runtime.status.pid for name, runtime in fake.controller.nodes.items()} == pids
             runner = asyncio.ensure_future(fake.run("stop", 10))
-            await fake.until(lambda: fake.controller.requests.current is not None
-                             and len(fake.controller.requests.current.generated) == 4, "four tokens")
+            await fake.until(lambda: fake.controller.requests.current
+                             and len(fake.controller.requests.current[0].generated) == 4, "four tokens")
             fake.workers["n1"].stopped = True
             await fake.until(lambda: fake.workers["n1"].kills == 1, "the watchdog's kill")
             text, done = await runner

@@ -74,7 +74,8 @@ class Controller:
         self.supervisor = CoordinatorSupervisor(inventory, self.model, state, log=self.log, tasks=self.tasks,
                                                 fleet=self.fleet, placement=self.placement, watchdog=watchdog,
                                                 module=seams.coordinator)
-        self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes, inventory.api.queue)
+        self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes, inventory.api.queue,
+                                      parallel=inventory.api.parallel)
         self.started_at = time.time()
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
@@ -137,7 +138,7 @@ class Controller:
 
     async def reprofile(self) -> None:
         """Measure the nodes again, re-plan and restart the coordinator, between requests."""
-        async with self.requests.lock:
+        async with self.requests.lock.alone():
             self.placement.remeasure = True
             loads = self.supervisor.loads
             self.supervisor.restart("measuring the nodes again and re-planning")
@@ -195,7 +196,7 @@ class Controller:
 
     async def _replan_when_idle(self, name: str) -> None:
         """A node the plan left out is back: re-plan to use it, between requests."""
-        async with self.requests.lock:
+        async with self.requests.lock.alone():
             if self.placement.left_out(name) and self.nodes[name].ready.is_set() and self.supervisor.ready.is_set():
                 loads = self.supervisor.loads
                 self.supervisor.restart(f"{name} is back; re-planning to use it")

@@ -113,7 +113,7 @@ class Placement:
             if profiles.nodes.get(name)}
         if strategy == "compute" and profiles is None:
             strategy = "memory"  # the measurement failed, and said so: llama.cpp's own split meanwhile
-        plan = choose(strategy, self.model, capacities, self.inventory.context, objective=self.inventory.objective,
+        plan = choose(strategy, self.model, capacities, self.inventory.kv_tokens, objective=self.inventory.objective,
                       speeds=profiles.speeds(self.model, names) if profiles else None)
         if profiles is not None and all(name in measured for name in plan.used):
             plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)

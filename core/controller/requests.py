@@ -1,5 +1,6 @@
-"""Requests: first come, first served, up to a bound; each runs on the coordinator and, when the coordinator is
-lost, resumes from its own tokens on the next one, so the client sees one stream with nothing lost or repeated."""
+"""Requests: first come, first served, up to ``api.parallel`` at once (the coordinator decodes them together);
+each runs on the coordinator and, when the coordinator is lost, resumes from its own tokens on the next one, so
+every client sees one stream with nothing lost or repeated."""
 
 from __future__ import annotations
 
@@ -109,6 +110,88 @@ class Admission:
         self.changed()
 
 
+class Turns:
+    """Requests run together (as many as Admission lets in), a re-plan alone.
+
+    A readers-writer lock: a re-plan (``alone``) waits until no request runs, and requests that arrive while it
+    waits queue behind it, so it is not starved by a steady stream of them.
+    """
+
+    def __init__(self) -> None:
+        self.busy = 0
+        self._alone = False
+        self._waiting_alone = 0
+        self._changed = asyncio.Condition()
+
+    def locked(self) -> bool:
+        """Whether a request (or a re-plan) runs."""
+        return self.busy > 0 or self._alone
+
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        """Run one request (beside others)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._alone and not self._waiting_alone)
+            self.busy += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.busy -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def alone(self) -> AsyncIterator[None]:
+        """Run alone: no request runs meanwhile."""
+        async with self._changed:
+            self._waiting_alone += 1
+            try:
+                await self._changed.wait_for(lambda: self.busy == 0 and not self._alone)
+            finally:
+                self._waiting_alone -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._alone = False
+                self._changed.notify_all()
+
+
+class Mailboxes:
+    """One coordinator's answers, each to the request attempt it names; its exit to every attempt."""
+
+    def __init__(self, source: asyncio.Queue[Answer]) -> None:
+        self.source = source
+        self._boxes: dict[int, asyncio.Queue[Answer]] = {}
+        self._exited: Exited | None = None
+        self._task = asyncio.ensure_future(self._deliver())
+
+    def open(self, rid: int) -> asyncio.Queue[Answer]:
+        """The answers to attempt ``rid`` (its exit, at once, if the coordinator has already gone)."""
+        box: asyncio.Queue[Answer] = asyncio.Queue()
+        if self._exited is not None:
+            box.put_nowait(self._exited)
+        self._boxes[rid] = box
+        return box
+
+    def close(self, rid: int) -> None:
+        """Attempt ``rid`` is over: later answers to it are dropped."""
+        self._boxes.pop(rid, None)
+
+    async def _deliver(self) -> None:
+        while True:
+            answer = await self.source.get()
+            if isinstance(answer, Exited):
+                self._exited = answer
+                for box in self._boxes.values():
+                    box.put_nowait(answer)
+                return
+            to = self._boxes.get(getattr(answer, "id", None) or 0)
+            if to is not None:
+                to.put_nowait(answer)
+
+
 @dataclass
 class RequestProgress:
     """One request's state, kept across coordinator restarts so that it can resume."""
@@ -124,50 +207,65 @@ class RequestProgress:
 
 
 class RequestRunner:
-    """Runs requests one at a time on the supervisor's coordinator, with resume, watchdog and cancel."""
+    """Runs requests on the supervisor's coordinator, ``parallel`` at once, with resume, watchdog and cancel."""
 
     def __init__(self, supervisor: CoordinatorSupervisor, log: EventLog, bound_s: float,
-                 failed_nodes: Callable[[], str], queue: int) -> None:
+                 failed_nodes: Callable[[], str], queue: int, *, parallel: int = 1) -> None:
         """``bound_s``: the watchdog's bound; ``failed_nodes``: why the nodes that are left out are, for a
-        request the cluster cannot serve; ``queue``: how many requests may wait for the one generating."""
+        request the cluster cannot serve; ``queue``: how many requests may wait for a slot; ``parallel``: the
+        coordinator's slots."""
         self.supervisor = supervisor
         self.log = log
         self.bound_s = bound_s
         self.failed_nodes = failed_nodes
-        self.lock = asyncio.Lock()  # held by the request generating (and by a re-plan between requests)
+        self.lock = Turns()  # requests together; a re-plan between requests alone
         self.served = 0
-        self.waiting = 0            # in flight: generating, or queued behind the one that is
-        self.admission = Admission(1, queue, log.notify)  # one slot: the coordinator generates one at a time
+        self.waiting = 0            # in flight: generating, or queued behind those that are
+        self.admission = Admission(parallel, queue, log.notify)
         self.recoveries = 0
         self.rates: dict[str, float | None] = {"prompt": None, "decode": None}  # tokens/s of the last request
-        self.current: RequestProgress | None = None
+        self.current: list[RequestProgress] = []  # the requests generating now
         # Every attempt of every request gets its own id: a cancel then reaches only the attempt it names.
         self._ids = itertools.count(1)
+        self._mail: Mailboxes | None = None
+        self._hang: asyncio.Task[str | None] | None = None  # one watchdog look for every attempt that waits
 
     def decode_rate(self) -> float | None:
-        """Tokens/s of the request generating now (since its first token), else of the last one."""
-        rate = None if self.current is None else _decode_rate(self.current)
-        return self.rates["decode"] if rate is None else rate
+        """Tokens/s of the request generating now that started first (since its first token), else of the last."""
+        rates = [rate for rate in map(_decode_rate, self.current) if rate is not None]
+        return rates[0] if rates else self.rates["decode"]
 
     def aggregate_decode_rate(self) -> float:
         """Tokens/s of every request generating now, together (0 when none is)."""
-        rate = None if self.current is None else _decode_rate(self.current)
-        return rate or 0.0
+        return sum(rate for rate in map(_decode_rate, self.current) if rate is not None)
 
     async def generate(self, request: GenerateRequest, send: Send) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
         self.waiting += 1
         self.log.notify()
         try:
-            async with self.admission.place(), self.lock:
-                progress = self.current = RequestProgress(text=StopText(request.stop))
+            async with self.admission.place(), self.lock.request():
+                progress = RequestProgress(text=StopText(request.stop))
+                self.current.append(progress)
                 try:
                     await self._resume_until_done(request, progress, send)
                 finally:
-                    self.current = None
+                    self.current.remove(progress)
         finally:
             self.waiting -= 1
             self.log.notify()
+
+    def _mailbox(self, messages: asyncio.Queue[Answer], rid: int) -> asyncio.Queue[Answer]:
+        """Attempt ``rid``'s answers from the coordinator whose queue is ``messages``."""
+        if self._mail is None or self._mail.source is not messages:
+            self._mail = Mailboxes(messages)
+        return self._mail.open(rid)
+
+    async def _hung(self, waiting: str, arrived: Callable[[], bool]) -> str | None:
+        """The watchdog's verdict; attempts that time out together share one look (and one kill)."""
+        if self._hang is None or self._hang.done():
+            self._hang = asyncio.ensure_future(self.supervisor.watchdog.hung(waiting, arrived))
+        return await asyncio.shield(self._hang)
 
     async def _resume_until_done(self, request: GenerateRequest, progress: RequestProgress, send: Send) -> None:
         while True:
@@ -199,14 +297,23 @@ class RequestRunner:
                            prompt_tokens=progress.prompt_tokens, replay=list(progress.generated),
                            **request.sampling())
         self.supervisor.set_state(CoordinatorState.GENERATING)
-        await _write(process, message)
+        box = self._mailbox(messages, rid)
+        try:
+            await _write(process, message)
+            return await self._follow(progress, rid, process=process, messages=box, send=send)
+        finally:
+            if self._mail is not None:
+                self._mail.close(rid)
+
+    async def _follow(self, progress: RequestProgress, rid: int, *, process: asyncio.subprocess.Process,
+                      messages: asyncio.Queue[Answer], send: Send) -> str | None:
+        """Attempt ``rid``'s answers until it is done (None) or the coordinator is lost (why)."""
         while True:
             try:
                 async with asyncio.timeout(self.bound_s):  # no task per token, unlike wait_for
                     answer = await messages.get()
             except TimeoutError:
-                cause = await self.supervisor.watchdog.hung(f"after {len(progress.generated)} tokens",
-                                                            lambda: not messages.empty())
+                cause = await self._hung(f"after {len(progress.generated)} tokens", lambda: not messages.empty())
                 if cause is None:
                     continue
                 await drain(messages, lambda answer: isinstance(answer, Exited), 10)
@@ -214,8 +321,6 @@ class RequestRunner:
             if isinstance(answer, Exited):
                 why = f" ({answer.cause})" if answer.cause else ""  # it gave up on a persistent compute failure
                 return f"coordinator exited with {answer.code}{why} after {len(progress.generated)} tokens"
-            if getattr(answer, "id", None) != rid:
-                continue
             if isinstance(answer, PromptTokens):
                 progress.prompt_tokens = list(answer.tokens)
             elif isinstance(answer, Progress):
@@ -234,10 +339,10 @@ class RequestRunner:
                     await self._finish(progress, done or _clocked(progress, rid), send)
                     return None
             elif isinstance(answer, Failed):
-                self.supervisor.set_state(CoordinatorState.READY)
+                self._idle()
                 raise PromptError(answer.message, field=answer.field)
             elif isinstance(answer, Done):
-                self.supervisor.set_state(CoordinatorState.READY)
+                self._idle()
                 await self._finish(progress, answer, send)
                 return None
 
@@ -286,8 +391,13 @@ class RequestRunner:
             return bool(ended)
 
         await drain(messages, last, self.bound_s)
-        self.supervisor.set_state(CoordinatorState.READY)
+        self._idle()
         return ended[0] if ended and isinstance(ended[0], Done) else None
+
+    def _idle(self) -> None:
+        """A request ended: the coordinator is ready once none other generates."""
+        if len(self.current) <= 1:
+            self.supervisor.set_state(CoordinatorState.READY)
 
     async def _await_coordinator(self, recoveries: list[dict[str, Any]], send: Send) -> None:
         """Until the coordinator is ready; meanwhile the client hears what the recovery runs into."""

@@ -6,17 +6,17 @@ once loaded, then per `Generate` its prompt tokens, progress while the prompt (a
 token at a time, and `Done`. `Cancel` reaches only the request it names, and only while that request is
 queued or running: a cancel for a request already done can never reach a later one. ``messages`` (OpenAI chat
 messages) are rendered with the inventory's chat_template (a llama-cpp-python chat format, or a Jinja file), else
-with the GGUF's own template.
+with the GGUF's own template. Requests run in ``parallel`` slots, decoded together (core.engine.slots).
 
 A `Generate` with ``replay`` holds tokens generated before a restart: the prompt is evaluated in the same
-batches as the first time and each replayed token one at a time, exactly as first decoded, so the KV cache and
-the output are bit-identical. Progress lines let the controller tell a long prompt from a hung worker.
+batches as the first time and each replayed token one at a time, exactly as first decoded, so with one slot the
+KV cache and the output are bit-identical. Progress lines let the controller tell a long prompt from a hung worker.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
+import contextlib
 import ctypes
 import inspect
 import json
@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -35,23 +36,18 @@ from core.engine.protocol import (
     EXIT_COMPUTE_FAILED,
     Answer,
     Cancel,
-    ComputeFailed,
-    ComputeRetried,
-    Done,
     Failed,
     Generate,
-    Progress,
-    PromptTokens,
     Ready,
     Request,
     Shutdown,
-    Token,
     TokenLogprobs,
     TopLogprob,
     decode_request,
     encode,
 )
 from core.engine.sampling import GrammarError, logprobs, sampler_for
+from core.engine.slots import ComputeFailure, Entry, PersistentComputeFailure, Scheduler, Slot
 
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
 # client answers "supported" for every op, so on a cluster auto means on (llama-bench, llama-server and
@@ -60,10 +56,6 @@ from core.engine.sampling import GrammarError, logprobs, sampler_for
 FLASH_ATTENTION = True
 # Where llama-cpp-python loads its libraries from, instead of its own lib/ folder.
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
-PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
-# A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
-# fault, such as a device briefly out of memory, may need a moment); then the controller's restart path takes over.
-RETRY_DELAYS_S = (0.0, 0.01, 0.1)
 
 
 @dataclass(frozen=True)
@@ -73,17 +65,18 @@ class CoordinatorConfig:
     model: str
     endpoints: tuple[str, ...]
     tensor_split: tuple[float, ...]
-    context: int
+    context: int                           # tokens each request may hold, prompt included
     threads: int = 1
     chat_format: str | None = None         # a llama-cpp-python chat format by name, instead of the GGUF's template
     chat_template_file: str | None = None  # a Jinja chat template file, instead of the GGUF's template
+    parallel: int = 1                      # slots: requests decoded together, each with its own `context`
 
     def to_json(self) -> str:
         """Serialise for the child's command line."""
         return json.dumps({"model": self.model, "endpoints": list(self.endpoints),
                            "tensor_split": list(self.tensor_split), "context": self.context,
                            "threads": self.threads, "chat_format": self.chat_format,
-                           "chat_template_file": self.chat_template_file})
+                           "chat_template_file": self.chat_template_file, "parallel": self.parallel})
 
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
@@ -92,7 +85,7 @@ class CoordinatorConfig:
         return cls(model=data["model"], endpoints=tuple(data["endpoints"]),
                    tensor_split=tuple(data["tensor_split"]), context=int(data["context"]),
                    threads=int(data.get("threads", 1)), chat_format=data.get("chat_format"),
-                   chat_template_file=data.get("chat_template_file"))
+                   chat_template_file=data.get("chat_template_file"), parallel=int(data.get("parallel", 1)))
 
 
 NO_CHAT_TEMPLATE = ("the model has no chat template (no tokenizer.chat_template in its GGUF, and no chat_template in "
@@ -152,16 +145,6 @@ def load_chat(llm: Any, config: CoordinatorConfig) -> Chat | None:
     return Chat(formatter, bos_text)
 
 
-@dataclass(frozen=True)
-class ComputeFailure:
-    """A failed graph compute that a worker reported (ggml-cluster's patch on ggml-rpc)."""
-
-    endpoint: str
-    device: int
-    status: int  # enum ggml_status
-    failures: int
-
-
 class _CFailure(ctypes.Structure):
     _fields_ = [("endpoint", ctypes.c_char * 128), ("device", ctypes.c_uint32), ("status", ctypes.c_int32),
                 ("failures", ctypes.c_uint32)]  # struct ggml_backend_rpc_compute_failure
@@ -195,8 +178,29 @@ class ComputeStatus:
         return ComputeFailure(found.endpoint.decode(errors="replace"), found.device, found.status, found.failures)
 
 
-class PersistentComputeFailure(RuntimeError):
-    """A step kept failing after every retry in place."""
+@contextlib.contextmanager
+def _sequences(parallel: int) -> Iterator[None]:
+    """Make the next `Llama` hold ``parallel`` sequences, each in its own KV stream (n_ctx / parallel cells).
+
+    llama-cpp-python's Llama has no n_seq_max argument: its constructor starts from
+    llama_context_default_params(), so for its duration that returns defaults with the slots' sequences.
+    Separate streams (not unified): the slots share no prefix, and each attends over its own cells only.
+    """
+    from llama_cpp import llama_cpp as low
+
+    original = low.llama_context_default_params
+
+    def defaults() -> Any:
+        params = original()
+        params.n_seq_max = parallel
+        params.kv_unified = False
+        return params
+
+    low.llama_context_default_params = defaults
+    try:
+        yield
+    finally:
+        low.llama_context_default_params = original
 
 
 def register_rpc_servers(endpoints: tuple[str, ...]) -> ComputeStatus:
@@ -234,29 +238,33 @@ def last_logits(lib: Any, llm: Any, n_vocab: int) -> np.ndarray:
 
 
 class Generator:
-    """Runs one request at a time on a loaded model."""
+    """A loaded model: turns requests into slots for the scheduler (core.engine.slots)."""
 
-    def __init__(self, llm: Any, lib: Any, chat: Chat | None = None, compute: ComputeStatus | None = None) -> None:
+    def __init__(self, llm: Any, lib: Any, chat: Chat | None = None, compute: ComputeStatus | None = None,
+                 context: int | None = None) -> None:
         """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: how chats become
-        prompts, or None (chats are refused); ``compute``: the workers' reported compute failures."""
+        prompts, or None (chats are refused); ``compute``: the workers' reported compute failures; ``context``:
+        tokens each request may hold (default: the whole context)."""
         self.requests = RequestIds()
         self.llm = llm
-        self._lib = lib
+        self.lib = lib
         self.chat = chat
         self.compute = compute
+        self.context = context or int(llm.n_ctx())
         self.vocab = lib.llama_model_get_vocab(llm.model)
         self.n_vocab = llm.n_vocab()
 
     @classmethod
     def load(cls, config: CoordinatorConfig, compute: ComputeStatus | None = None) -> Generator:
-        """Load the model across the registered RPC devices."""
+        """Load the model across the registered RPC devices, with a KV sequence of ``context`` cells per slot."""
         import llama_cpp
 
-        llm = llama_cpp.Llama(
-            model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
-            n_ctx=config.context, n_threads=config.threads, n_threads_batch=config.threads,
-            flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
-        return cls(llm, llama_cpp, load_chat(llm, config), compute)
+        with _sequences(config.parallel):
+            llm = llama_cpp.Llama(
+                model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
+                n_ctx=config.context * config.parallel, n_threads=config.threads, n_threads_batch=config.threads,
+                flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
+        return cls(llm, llama_cpp, load_chat(llm, config), compute, config.context)
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -270,106 +278,31 @@ class Generator:
             return list(self.llm.tokenize(text.encode(), add_bos=not (bos and text.startswith(bos)), special=True))
         return list(self.llm.tokenize((request.prompt or "").encode(), add_bos=True, special=False))
 
-    def step(self, tokens: list[int], rid: int, out: IO[str]) -> None:
-        """Evaluate ``tokens`` (one batch); a step a worker reports failed is retried in place.
-
-        The failure is read once the step's outputs are in (a failure on the last device arrives with the
-        logits), before anything is sampled from them. llama_decode has dropped the KV cells of a step it saw fail;
-        one that returned before the report is undone here: eval drops every cell from n_tokens on.
-        """
-        llm = self.llm
-        first_seen: float | None = None
-        failed_on = ""
-        for attempt in range(len(RETRY_DELAYS_S) + 1):
-            start = llm.n_tokens
-            error: RuntimeError | None = None
-            try:
-                llm.eval(tokens)
-            except RuntimeError as exc:  # llama_decode's status: a device of this step failed
-                error = exc
-            self._lib.llama_synchronize(llm.ctx)  # what reading the logits waits for anyway
-            failure = self.compute.take() if self.compute is not None else None
-            if failure is None:
-                if error is not None:
-                    raise error
-                if first_seen is not None:
-                    emit(out, ComputeRetried(failed_on, attempt,
-                                             (time.perf_counter() - first_seen) * 1000, rid))
-                return
-            first_seen = first_seen or time.perf_counter()
-            failed_on = failure.endpoint
-            llm.n_tokens = start
-            persistent = attempt == len(RETRY_DELAYS_S)
-            emit(out, ComputeFailed(failure.endpoint, failure.device, failure.status, failure.failures, attempt + 1,
-                                    rid, persistent))
-            if persistent:
-                raise PersistentComputeFailure(f"{failure.endpoint} failed the same step {attempt + 1} times")
-            time.sleep(RETRY_DELAYS_S[attempt])
-
-    def generate(self, request: Generate, out: IO[str]) -> None:
-        """Run one request, writing its answers to ``out``."""
+    def prepare(self, request: Generate) -> Slot | Failed:
+        """A request as a slot to schedule, or why it cannot run."""
         rid = request.id
-        llm = self.llm
         try:
-            prompt_tokens = self.prompt_tokens(request)
+            prompt = self.prompt_tokens(request)
         except (ValueError, TypeError, KeyError) as exc:  # jinja2's errors are ValueError/TypeError subclasses
-            emit(out, Failed(f"cannot render the chat: {exc}", rid))
-            return
-        replay = request.replay
-        budget = min(request.max_tokens, llm.n_ctx() - len(prompt_tokens)) - len(replay)
-        if len(prompt_tokens) >= llm.n_ctx():
-            emit(out, Failed(f"the prompt has {len(prompt_tokens)} tokens; the context holds {llm.n_ctx()}", rid))
-            return
+            return Failed(f"cannot render the chat: {exc}", rid)
+        if not prompt:
+            return Failed("the prompt is empty", rid)
+        if len(prompt) >= self.context:
+            return Failed(f"the prompt has {len(prompt)} tokens; the context holds {self.context}", rid)
         try:
-            sampler = sampler_for(request, self._lib, self.vocab, self.n_vocab)
+            sampler = sampler_for(request, self.lib, self.vocab, self.n_vocab)
         except GrammarError as exc:
-            emit(out, Failed(f"response_format: {exc}", rid, field="response_format"))
-            return
-        emit(out, PromptTokens(rid, prompt_tokens))
-        for token in prompt_tokens:
+            return Failed(f"response_format: {exc}", rid, field="response_format")
+        for token in prompt:
             sampler.accept(token, generated=False)  # the penalties look back over the prompt too, as llama-server's
-        started = time.perf_counter()
-        llm.reset()
-        # The batches Llama.eval itself would make (n_batch), one call each, so that progress shows between them.
-        batch = llm.n_batch
-        for start in range(0, len(prompt_tokens), batch):
-            self.step(prompt_tokens[start:start + batch], rid, out)
-            emit(out, Progress(rid, "prompt", min(start + batch, len(prompt_tokens)), len(prompt_tokens)))
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        reported = time.perf_counter()
-        for index, token in enumerate(replay, 1):
-            sampler.replayed(token)  # its draw, penalty history and grammar step, as when it was first chosen
-            decoder.decode(llm.detokenize([token]))
-            self.step([token], rid, out)
-            if index == len(replay) or time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
-                emit(out, Progress(rid, "replay", index, len(replay)))
-                reported = time.perf_counter()
-        # llama_decode may return while the last batch's graph still runs on the workers: the prompt is done
-        # when its logits can be read.
-        self._lib.llama_synchronize(llm.ctx)
-        prompt_done = time.perf_counter()
-        generated, reason = 0, "length"
-        while generated < budget:
-            if self.requests.cancelled(rid):
-                reason = "cancelled"
-                break
-            logits = last_logits(self._lib, llm, self.n_vocab)
-            token = sampler.choose(logits)
-            if self._lib.llama_vocab_is_eog(self.vocab, token):
-                reason = "stop"
-                break
-            sampler.accept(token)
-            generated += 1
-            # Read before the next step overwrites the logits.
-            chances = self.logprobs(logits, token, request.logprobs) if request.logprobs is not None else None
-            emit(out, Token(rid, token, decoder.decode(llm.detokenize([token])), chances))
-            if generated < budget:
-                self.step([token], rid, out)
-        tail = decoder.decode(b"", final=True)
-        finished = time.perf_counter()
-        emit(out, Done(rid, reason, tail, prompt_tokens=len(prompt_tokens), replayed_tokens=len(replay),
-                       completion_tokens=generated, prompt_s=prompt_done - started, decode_s=finished - prompt_done))
+        top_n = request.logprobs
 
+        def explain(logits: np.ndarray, token: int) -> TokenLogprobs | None:
+            return self.logprobs(logits, token, top_n) if top_n is not None else None
+
+        return Slot(request, seq=-1, prompt=prompt,
+                    budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
+                    choose=sampler.choose, accept=sampler.accept, replayed=sampler.replayed, explain=explain)
 
     def logprobs(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
         """The chosen token's log-probability and the ``top_n`` likeliest tokens', with their texts."""
@@ -382,6 +315,55 @@ class Generator:
         return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
 
 
+class LlamaEngine:
+    """The loaded model's llama.cpp context, driven with batches of several sequences (see core.engine.slots)."""
+
+    def __init__(self, generator: Generator) -> None:
+        llm, lib = generator.llm, generator.lib
+        self.n_batch = int(llm.n_batch)
+        self._llm, self._lib, self._ctx = llm, lib, llm.ctx
+        self._compute = generator.compute
+        self._vocab, self._n_vocab = generator.vocab, generator.n_vocab
+        self._memory = lib.llama_get_memory(llm.ctx)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)  # lives as long as the process
+
+    def decode(self, entries: list[Entry]) -> int:
+        """llama_decode of one batch."""
+        batch = self._batch
+        batch.n_tokens = len(entries)
+        for index, entry in enumerate(entries):
+            batch.token[index] = entry.token
+            batch.pos[index] = entry.pos
+            batch.n_seq_id[index] = 1
+            batch.seq_id[index][0] = entry.seq
+            batch.logits[index] = entry.logits
+        return int(self._lib.llama_decode(self._ctx, batch))
+
+    def synchronize(self) -> None:
+        """Wait for the graph on every device (llama_decode may return before)."""
+        self._lib.llama_synchronize(self._ctx)
+
+    def take_failure(self) -> ComputeFailure | None:
+        """A failed compute a worker reported, if any."""
+        return self._compute.take() if self._compute is not None else None
+
+    def logits(self, index: int) -> np.ndarray:
+        """The logits of the batch's ``index``-th entry, without a copy."""
+        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(self._n_vocab,))
+
+    def forget(self, seq: int, start: int) -> None:
+        """Drop a sequence's KV cells from ``start`` on."""
+        self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
+
+    def text(self, token: int) -> bytes:
+        """A token's bytes."""
+        return bytes(self._llm.detokenize([token]))
+
+    def is_end(self, token: int) -> bool:
+        """End of text or of a turn."""
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+
 class RequestIds:
     """Which requests are queued or running, and which of those were cancelled (shared by two threads)."""
 
@@ -390,23 +372,23 @@ class RequestIds:
         self._open: set[object] = set()
         self._cancelled: set[object] = set()
 
-    def opened(self, rid: object) -> None:
+    def opened(self, rid: int) -> None:
         """A request was queued."""
         with self._lock:
             self._open.add(rid)
 
-    def cancel(self, rid: object) -> None:
+    def cancel(self, rid: int) -> None:
         """Cancel a queued or running request; any other id is ignored (its request is done)."""
         with self._lock:
             if rid in self._open:
                 self._cancelled.add(rid)
 
-    def cancelled(self, rid: object) -> bool:
+    def cancelled(self, rid: int) -> bool:
         """Whether ``rid`` was cancelled."""
         with self._lock:
             return rid in self._cancelled
 
-    def closed(self, rid: object) -> None:
+    def closed(self, rid: int) -> None:
         """A request is done: forget it."""
         with self._lock:
             self._open.discard(rid)
@@ -454,22 +436,40 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError, OSError) as exc:
         emit(out, Failed(f"cannot load the model: {exc}"))
         return 1
-    emit(out, Ready(time.perf_counter() - started, generator.llm.n_ctx(), generator.n_vocab))
+    emit(out, Ready(time.perf_counter() - started, generator.context, generator.n_vocab))
     requests: queue.Queue[Request | None] = queue.Queue()
     threading.Thread(target=_read_requests, args=(generator, requests, out), daemon=True).start()
-    for request in iter(requests.get, None):
-        if isinstance(request, Shutdown):
-            break
-        if isinstance(request, Generate):
-            try:
-                generator.generate(request, out)
-            except PersistentComputeFailure:
-                return EXIT_COMPUTE_FAILED  # the controller restarts the worker and this process, then replays
-            except (RuntimeError, ValueError) as exc:
-                emit(out, Failed(str(exc), request.id))
-            finally:
-                generator.requests.closed(request.id)
+    scheduler = Scheduler(LlamaEngine(generator), config.parallel, lambda message: emit(out, message),
+                          generator.requests)
+    try:
+        serve(generator, scheduler, requests)
+    except PersistentComputeFailure:
+        return EXIT_COMPUTE_FAILED  # the controller restarts the worker and this process, then replays
     return 0
+
+
+def serve(generator: Generator, scheduler: Scheduler, requests: queue.Queue[Request | None]) -> None:
+    """Admit requests as they come and step the slots until a Shutdown (or stdin's end) with nothing in flight.
+
+    Requests are read between steps, so one that arrives while others generate joins them at the next step.
+    """
+    stopping = False
+    while not stopping or scheduler.busy:
+        while not stopping:
+            try:
+                request = requests.get(block=not scheduler.busy)
+            except queue.Empty:
+                break
+            if request is None or isinstance(request, Shutdown):
+                stopping = True  # after what is in flight, as a request queued before it would be
+            elif isinstance(request, Generate):
+                prepared = generator.prepare(request)
+                if isinstance(prepared, Failed):
+                    scheduler.emit(prepared)
+                    generator.requests.closed(request.id)
+                else:
+                    scheduler.add(prepared)
+        scheduler.step()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,336 @@
+"""Parallel slots with continuous batching: every decode step carries the next token of each sequence in flight.
+
+Decode on these nodes is bound by reading the weights, so a step that carries a token of each of four sequences
+costs little more than a step with one. Each request holds a slot (its own KV sequence) from admission to its
+end; each step is one llama_decode of a batch that holds, in this order:
+- the next token of every slot that is generating (or replaying after a restart, one token at a time, as first
+  decoded), and
+- as much of one waiting prompt as fits (at most ``Engine.n_batch`` tokens in all), so a long prompt is
+  evaluated in chunks between the others' tokens instead of freezing their streams.
+A finished or cancelled request frees its slot and its KV cells at once; requests beyond the slots wait here.
+With one slot this is exactly the one-request-at-a-time decode: the prompt in batches of n_batch, then one token
+per step, which keeps a replay after a restart bit-identical. With several, a sequence's numbers may differ from
+a run alone (the CPU's matrix kernels take another path for a batch of several rows than for one), so a
+resumed request continues its own tokens with nothing lost or repeated, but its greedy text after the fault
+may differ from a fault-free run's when others ran beside it.
+
+A step that a worker reports failed (ggml-cluster's patch on ggml-rpc) is retried in place: its cells are
+dropped for every sequence in it and the same batch is decoded again.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from core.engine.protocol import (
+    Answer,
+    ComputeFailed,
+    ComputeRetried,
+    Done,
+    Failed,
+    Generate,
+    Progress,
+    PromptTokens,
+    Token,
+    TokenLogprobs,
+)
+
+PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
+# A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
+# fault, such as a device briefly out of memory, may need a moment); then the controller's restart path takes over.
+RETRY_DELAYS_S = (0.0, 0.01, 0.1)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One token of a batch: where it goes in its sequence, and whether its logits are wanted."""
+
+    token: int
+    pos: int
+    seq: int
+    logits: bool
+
+
+@dataclass(frozen=True)
+class ComputeFailure:
+    """A failed graph compute that a worker reported (ggml-cluster's patch on ggml-rpc)."""
+
+    endpoint: str
+    device: int
+    status: int  # enum ggml_status
+    failures: int
+
+
+class Engine(Protocol):
+    """The model's llama.cpp context as the slots use it."""
+
+    n_batch: int
+
+    def decode(self, entries: list[Entry]) -> int:
+        """llama_decode of one batch; its status (0: done, or on its way)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until the last batch's graph is done on every device."""
+        ...
+
+    def take_failure(self) -> ComputeFailure | None:
+        """A failed compute reported since the last call (after ``synchronize``), if any."""
+        ...
+
+    def logits(self, index: int) -> np.ndarray:
+        """The logits of the batch's ``index``-th entry."""
+        ...
+
+    def forget(self, seq: int, start: int) -> None:
+        """Drop sequence ``seq``'s KV cells from position ``start`` on."""
+        ...
+
+    def text(self, token: int) -> bytes:
+        """A token's bytes."""
+        ...
+
+    def is_end(self, token: int) -> bool:
+        """Whether ``token`` ends generation (end of text, end of turn)."""
+        ...
+
+
+class Requests(Protocol):
+    """Which requests were cancelled (by another thread), and which are done."""
+
+    def cancelled(self, rid: int) -> bool:
+        """Whether request ``rid`` was cancelled."""
+        ...
+
+    def closed(self, rid: int) -> None:
+        """Request ``rid`` is done, either way."""
+        ...
+
+
+class PersistentComputeFailure(Exception):
+    """A step kept failing after every retry in place."""
+
+
+Choose = Callable[[np.ndarray], int]  # a request's sampler: logits → token
+Explain = Callable[[np.ndarray, int], TokenLogprobs | None]  # the logprobs a request asked for, of a chosen token
+
+
+@dataclass
+class Slot:
+    """One request in flight on its own KV sequence."""
+
+    request: Generate
+    seq: int
+    prompt: list[int]
+    budget: int                # new tokens it may still generate
+    choose: Choose
+    accept: Callable[[int], None]    # a token chosen and kept (the sampler's history, its grammar)
+    replayed: Callable[[int], None]  # a replayed token: its random draw, history and grammar step, as first chosen
+    explain: Explain
+    started: float = field(default_factory=time.perf_counter)
+    n_past: int = 0            # tokens in its KV cells
+    evaluated: int = 0         # of the prompt
+    done_replaying: int = 0    # of request.replay
+    pending: int | None = None  # the token it generated last, to evaluate next
+    generated: int = 0
+    prompt_done: float | None = None
+    reported: float = field(default_factory=time.perf_counter)
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    @property
+    def rid(self) -> int:
+        """The request's id."""
+        return self.request.id
+
+    @property
+    def prompting(self) -> bool:
+        """Whether its prompt is still being evaluated."""
+        return self.evaluated < len(self.prompt)
+
+
+@dataclass
+class _Planned:
+    """What a batch entry does for its slot once the step is done."""
+
+    slot: Slot
+    index: int
+    kind: str  # prompt | replay | decode
+    count: int = 1
+
+
+class Scheduler:
+    """Admits requests into free slots and steps every slot in flight, one batch per step."""
+
+    def __init__(self, engine: Engine, parallel: int, emit: Callable[[Answer], None], requests: Requests) -> None:
+        """``emit``: an answer to the controller."""
+        self.engine = engine
+        self.slots: list[Slot | None] = [None] * parallel
+        self.waiting: deque[Slot] = deque()  # admitted by the coordinator, no free slot yet
+        self.emit = emit
+        self._cancelled = requests.cancelled
+        self._closed = requests.closed
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is in flight or waiting."""
+        return bool(self.waiting) or any(slot is not None for slot in self.slots)
+
+    def add(self, slot: Slot) -> None:
+        """Queue a prepared request; it starts as soon as a slot is free."""
+        self.emit(PromptTokens(slot.rid, slot.prompt))
+        self.waiting.append(slot)
+
+    def step(self) -> None:
+        """Admit, drop the cancelled, decode one batch, and take its results. Raises PersistentComputeFailure."""
+        self._admit()
+        for slot in [slot for slot in self.slots if slot is not None and self._cancelled(slot.rid)]:
+            self._finish(slot, "cancelled")
+        entries, planned = self._batch()
+        if not entries:
+            return
+        try:
+            self._decode(entries)
+        except RuntimeError as exc:  # no worker reported it: the batch's requests fail, the others go on
+            for plan in planned:
+                if self.slots[plan.slot.seq] is plan.slot:
+                    self.emit(Failed(str(exc), plan.slot.rid))
+                    self._release(plan.slot)
+            return
+        for plan in planned:
+            self._advance(plan)
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            slot = self.waiting.popleft()
+            slot.seq = self.slots.index(None)
+            slot.started = slot.reported = time.perf_counter()
+            self.engine.forget(slot.seq, 0)
+            self.slots[slot.seq] = slot
+            if self._cancelled(slot.rid):
+                self._finish(slot, "cancelled")
+        for slot in list(self.waiting):
+            if self._cancelled(slot.rid):
+                self.waiting.remove(slot)
+                self.emit(Done(slot.rid, "cancelled", "", len(slot.prompt), 0, 0, 0.0, 0.0))
+                self._closed(slot.rid)
+
+    def _batch(self) -> tuple[list[Entry], list[_Planned]]:
+        entries: list[Entry] = []
+        planned: list[_Planned] = []
+        active = [slot for slot in self.slots if slot is not None]
+        for slot in active:
+            if slot.prompting:
+                continue
+            if slot.done_replaying < len(slot.request.replay):
+                token = slot.request.replay[slot.done_replaying]
+                last = slot.done_replaying == len(slot.request.replay) - 1
+                planned.append(_Planned(slot, len(entries), "replay"))
+                entries.append(Entry(token, slot.n_past, slot.seq, last))
+            elif slot.pending is not None:
+                planned.append(_Planned(slot, len(entries), "decode"))
+                entries.append(Entry(slot.pending, slot.n_past, slot.seq, True))
+        room = self.engine.n_batch - len(entries)
+        prompting = sorted((slot for slot in active if slot.prompting), key=lambda slot: slot.started)
+        if prompting and room > 0:
+            slot = prompting[0]
+            chunk = slot.prompt[slot.evaluated:slot.evaluated + room]
+            for offset, token in enumerate(chunk):
+                entries.append(Entry(token, slot.n_past + offset, slot.seq, offset == len(chunk) - 1))
+            planned.append(_Planned(slot, len(entries) - 1, "prompt", len(chunk)))
+        return entries, planned
+
+    def _decode(self, entries: list[Entry]) -> None:
+        """Decode one batch; a batch a worker reports failed is decoded again (its cells dropped first)."""
+        engine = self.engine
+        first_seen: float | None = None
+        failed_on = ""
+        rids = sorted({slot.rid for slot in self.slots if slot is not None and
+                       any(entry.seq == slot.seq for entry in entries)})
+        rid = rids[0] if len(rids) == 1 else None
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            status = engine.decode(entries)
+            engine.synchronize()  # what reading the logits waits for anyway
+            failure = engine.take_failure()
+            if failure is None:
+                if status != 0:
+                    raise RuntimeError(f"llama_decode returned {status}")
+                if first_seen is not None:
+                    self.emit(ComputeRetried(failed_on, attempt, (time.perf_counter() - first_seen) * 1000, rid))
+                return
+            first_seen = first_seen or time.perf_counter()
+            failed_on = failure.endpoint
+            for seq in {entry.seq for entry in entries}:  # llama_decode may have kept some: drop them all
+                engine.forget(seq, min(entry.pos for entry in entries if entry.seq == seq))
+            persistent = attempt == len(RETRY_DELAYS_S)
+            self.emit(ComputeFailed(failure.endpoint, failure.device, failure.status, failure.failures,
+                                    attempt + 1, rid, persistent))
+            if persistent:
+                raise PersistentComputeFailure(f"{failure.endpoint} failed the same step {attempt + 1} times")
+            time.sleep(RETRY_DELAYS_S[attempt])
+
+    def _advance(self, plan: _Planned) -> None:
+        slot = plan.slot
+        if self.slots[slot.seq] is not slot:
+            return
+        slot.n_past += plan.count
+        if plan.kind == "prompt":
+            slot.evaluated += plan.count
+            self.emit(Progress(slot.rid, "prompt", slot.evaluated, len(slot.prompt)))
+            if slot.prompting:
+                return
+            if slot.request.replay:
+                return  # its replay starts with the next step
+        elif plan.kind == "replay":
+            token = slot.request.replay[slot.done_replaying]
+            slot.done_replaying += 1
+            slot.replayed(token)
+            slot.decoder.decode(self.engine.text(token))
+            total = len(slot.request.replay)
+            if slot.done_replaying == total or time.perf_counter() - slot.reported >= PROGRESS_INTERVAL_S:
+                self.emit(Progress(slot.rid, "replay", slot.done_replaying, total))
+                slot.reported = time.perf_counter()
+            if slot.done_replaying < total:
+                return
+        if slot.prompt_done is None:
+            slot.prompt_done = time.perf_counter()
+        self._sample(slot, plan.index)
+
+    def _sample(self, slot: Slot, index: int) -> None:
+        """The slot's next token from the logits at ``index``, or its end."""
+        slot.pending = None
+        if slot.generated >= slot.budget:
+            self._finish(slot, "length")
+            return
+        logits = self.engine.logits(index)
+        token = slot.choose(logits)
+        if self.engine.is_end(token):
+            self._finish(slot, "stop")
+            return
+        slot.accept(token)
+        slot.generated += 1
+        # Read before the next step overwrites the logits.
+        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), slot.explain(logits, token)))
+        if slot.generated < slot.budget:
+            slot.pending = token
+        else:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        finished = time.perf_counter()
+        prompt_done = slot.prompt_done or finished
+        self.emit(Done(slot.rid, reason, slot.decoder.decode(b"", final=True), prompt_tokens=len(slot.prompt),
+                       replayed_tokens=len(slot.request.replay), completion_tokens=slot.generated,
+                       prompt_s=prompt_done - slot.started, decode_s=finished - prompt_done))
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        self.engine.forget(slot.seq, 0)
+        self.slots[slot.seq] = None
+        self._closed(slot.rid)

@@ -1,0 +1,107 @@
+"""Several users at once: requests decoded together in the coordinator's slots (api.parallel), through the official
+`openai` client, also while a worker is killed under them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.harness import Cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+PROMPTS = [f"The cluster number {index} says" for index in range(4)]
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def cluster4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    import tempfile
+
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="gcp-", dir="/tmp")), nodes=2, api="{port: 0, parallel: 4}")
+    cluster.cli("up")
+    yield cluster
+    cluster.cli("down", check=False)
+
+
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="module")
+def alone(cluster4: Cluster) -> list[str]:
+    """Each prompt's greedy text, run alone."""
+    api = client(cluster4)
+    return [api.completions.create(model="any", prompt=prompt, max_tokens=TOKENS, temperature=0).choices[0].text
+            for prompt in PROMPTS]
+
+
+class Streams:
+    """The four prompts streamed at once: each one's pieces, and when its first and last arrived."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.api = client(cluster)
+        self.pieces: list[list[str]] = [[] for _ in PROMPTS]
+        self.first: list[float] = [0.0] * len(PROMPTS)
+        self.last: list[float] = [0.0] * len(PROMPTS)
+        self.reasons: list[str | None] = [None] * len(PROMPTS)
+        self.started = threading.Barrier(len(PROMPTS))
+
+    def one(self, index: int) -> None:
+        self.started.wait()
+        stream = self.api.completions.create(model="any", prompt=PROMPTS[index], max_tokens=TOKENS, temperature=0,
+                                             stream=True)
+        for chunk in stream:
+            if chunk.choices[0].text:
+                self.pieces[index].append(chunk.choices[0].text)
+                self.first[index] = self.first[index] or time.monotonic()
+                self.last[index] = time.monotonic()
+            self.reasons[index] = chunk.choices[0].finish_reason or self.reasons[index]
+
+    def run(self, during: object = None) -> None:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(self.one, index) for index in range(len(PROMPTS))]
+            if callable(during):
+                during()
+            for future in futures:
+                future.result(timeout=300)
+
+    def texts(self) -> list[str]:
+        return ["".join(pieces) for pieces in self.pieces]
+
+
+def test_four_streams_at_once_are_decoded_together_and_each_gets_its_own_text(cluster4: Cluster,
+                                                                                 alone: list[str]) -> None:
+    streams = Streams(cluster4)
+    streams.run()
+    assert streams.texts() == alone  # greedy, as run alone (measured equal on this backend; see README)
+    assert streams.reasons == ["length"] * len(PROMPTS)
+    # together, not one after another: every stream had its first token before any had its last
+    assert max(streams.first) < min(streams.last)
+
+
+def test_a_worker_killed_while_four_streams_run_loses_and_repeats_no_token_in_any(cluster4: Cluster,
+                                                                                   alone: list[str]) -> None:
+    streams = Streams(cluster4)
+    victim = cluster4.worker_pid("n1")
+
+    def kill_once_tokens_flow() -> None:
+        deadline = time.monotonic() + 120
+        while sum(len(pieces) for pieces in streams.pieces) < 2 * len(PROMPTS):
+            assert time.monotonic() < deadline, "no tokens"
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)
+
+    streams.run(kill_once_tokens_flow)
+    assert streams.texts() == alone
+    status = cluster4.status()
+    assert status["recoveries"] >= len(PROMPTS) and cluster4.worker_pid("n1") != victim
