@@ -301,6 +301,9 @@ class RequestRunner:
         try:
             await _write(process, message)
             return await self._follow(progress, rid, process=process, messages=box, send=send)
+        except asyncio.CancelledError:  # its client gave up on it (another choice of its request failed)
+            await asyncio.shield(_write(process, Cancel(rid)))
+            raise
         finally:
             if self._mail is not None:
                 self._mail.close(rid)
