@@ -237,7 +237,11 @@ class RequestRunner:
 
     def aggregate_decode_rate(self) -> float:
         """Tokens/s of every request generating now, together (0 when none is)."""
-        return sum(rate for rate in map(_decode_rate, self.current) if rate is not None)
+        return sum(self.request_rates())
+
+    def request_rates(self) -> list[float]:
+        """Tokens/s of each request generating now (since its first token), the oldest first."""
+        return [rate for rate in map(_decode_rate, self.current) if rate is not None]
 
     async def generate(self, request: GenerateRequest, send: Send) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
