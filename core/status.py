@@ -165,6 +165,7 @@ class ClusterStatus:
     prompt_tokens_per_s: float | None = None  # of the last request
     decode_tokens_per_s: float | None = None  # of the running request, else of the last one
     aggregate_decode_tokens_per_s: float = 0.0  # of every request generating now, together
+    request_decode_tokens_per_s: list[float] = field(default_factory=list)  # each request generating now, oldest first
     slots: int = 1                     # requests generated at once
     slots_busy: int = 0                # of them, generating now
     queue_length: int = 0              # requests waiting for a slot
@@ -195,6 +196,7 @@ class ClusterStatus:
             "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "aggregate_decode_tokens_per_s": self.aggregate_decode_tokens_per_s,
+            "request_decode_tokens_per_s": self.request_decode_tokens_per_s,
             "slots": self.slots,
             "slots_busy": self.slots_busy,
             "queue_length": self.queue_length,
@@ -236,6 +238,7 @@ class ClusterStatus:
             prompt_tokens_per_s=data.get("prompt_tokens_per_s"),
             decode_tokens_per_s=data.get("decode_tokens_per_s"),
             aggregate_decode_tokens_per_s=data.get("aggregate_decode_tokens_per_s", 0.0),
+            request_decode_tokens_per_s=list(data.get("request_decode_tokens_per_s", [])),
             slots=data.get("slots", 1),
             slots_busy=data.get("slots_busy", 0),
             queue_length=data.get("queue_length", 0),

@@ -138,7 +138,7 @@ def test_bad_values_and_sub_fields_are_named(served: tuple[FakeService, str], se
                         (dict(CHAT, stop=["a", "b", "c", "d", "e"]), "stop"),
                         (dict(CHAT, response_format={"type": "yaml"}), "response_format"),
                         (dict(CHAT, stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
-                        (dict(CHAT, top_logprobs=2), "top_logprobs"), (dict(CHAT, n=2), "n"),
+                        (dict(CHAT, top_logprobs=2), "top_logprobs"), (dict(CHAT, n=17), "n"), (dict(CHAT, n=0), "n"),
                         (dict(COMPLETION, logprobs=21), "logprobs")):
         status, answer = post(served, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
@@ -219,3 +219,29 @@ def test_streamed_chunks_carry_their_tokens_logprobs_and_the_last_the_usage_and_
     assert [chunk.choices[0].logprobs.tokens for chunk in legacy[:2]] == [
         ["Hel"], ["lo", " é"]]
     assert legacy[-1].usage is not None and legacy[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_choices_are_n_requests_each_with_its_own_seed_and_the_prompt_counted_once(
+        api: openai.OpenAI, service: FakeService) -> None:
+    whole = api.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=3, seed=40,
+                                        temperature=0.8)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in whole.choices] == ["Hello é"] * 3
+    assert sorted(request.seed for request in service.requests) == [40, 41, 42]  # each choice its own draws
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (4, 9)
+    service.requests.clear()
+    chunks = list(api.completions.create(model="any", prompt=PROMPT, n=2, stream=True,
+                                         stream_options={"include_usage": True}))
+    for index in (0, 1):
+        assert "".join(chunk.choices[0].text for chunk in chunks
+                       if chunk.choices and chunk.choices[0].index == index) == "Hello é"
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and
+            chunk.choices[0].finish_reason] == ["stop", "stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert [request.seed for request in service.requests] == [None, None]
+
+
+def test_when_one_choice_fails_the_request_fails(served: tuple[FakeService, str], service: FakeService) -> None:
+    service.error = PromptError("the prompt is too long", field="prompt")
+    status, answer = post(served, "/v1/completions", dict(COMPLETION, n=3))
+    assert status == 400 and answer["error"]["param"] == "prompt"

@@ -105,3 +105,15 @@ def test_a_worker_killed_while_four_streams_run_loses_and_repeats_no_token_in_an
     assert streams.texts() == alone
     status = cluster4.status()
     assert status["recoveries"] >= len(PROMPTS) and cluster4.worker_pid("n1") != victim
+
+
+def test_n_choices_are_generated_together_in_slots_of_their_own(cluster4: Cluster, alone: list[str]) -> None:
+    api = client(cluster4)
+    greedy = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, n=4)
+    assert [choice.text for choice in greedy.choices] == [alone[0]] * 4
+    assert greedy.usage is not None and greedy.usage.completion_tokens == 4 * TOKENS
+    sampled = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=1.0, seed=7, n=3)
+    again = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=1.0, seed=7, n=3)
+    texts = [choice.text for choice in sampled.choices]
+    assert texts == [choice.text for choice in again.choices]  # seeded: reproducible
+    assert len(set(texts)) > 1  # each choice its own draws (seed + index)

@@ -241,9 +241,11 @@ def test_round_trip_through_json_with_the_relay_session_and_failed_computes() ->
 
 def test_a_full_queue_and_parallel_slots_are_on_the_third_line() -> None:
     status = dataclasses.replace(healthy(), slots=4, slots_busy=4, queue_length=16, requests_deferred=40,
-                                 requests_rejected=3, aggregate_decode_tokens_per_s=131.04)
+                                 requests_rejected=3, aggregate_decode_tokens_per_s=131.04,
+                                 request_decode_tokens_per_s=[33.0, 32.96, 32.5, 32.58])
     assert screen(status)[2] == "slots 4/4  queue 16/16  deferred 40  rejected 3  all decode 131.0 tok/s"
     data = json.loads(json.dumps(status.to_dict()))
     assert (data["slots"], data["slots_busy"], data["queue_length"], data["queue_limit"]) == (4, 4, 16, 16)
     assert (data["requests_deferred"], data["requests_rejected"]) == (40, 3)
+    assert data["request_decode_tokens_per_s"] == [33.0, 32.96, 32.5, 32.58]
     assert ClusterStatus.from_dict(data) == status

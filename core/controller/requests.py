@@ -237,7 +237,11 @@ class RequestRunner:
 
     def aggregate_decode_rate(self) -> float:
         """Tokens/s of every request generating now, together (0 when none is)."""
-        return sum(rate for rate in map(_decode_rate, self.current) if rate is not None)
+        return sum(self.request_rates())
+
+    def request_rates(self) -> list[float]:
+        """Tokens/s of each request generating now (since its first token), the oldest first."""
+        return [rate for rate in map(_decode_rate, self.current) if rate is not None]
 
     async def generate(self, request: GenerateRequest, send: Send) -> None:
         """Run one request to completion, resuming it across coordinator restarts."""
@@ -301,6 +305,9 @@ class RequestRunner:
         try:
             await _write(process, message)
             return await self._follow(progress, rid, process=process, messages=box, send=send)
+        except asyncio.CancelledError:  # its client gave up on it (another choice of its request failed)
+            await asyncio.shield(_write(process, Cancel(rid)))
+            raise
         finally:
             if self._mail is not None:
                 self._mail.close(rid)

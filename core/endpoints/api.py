@@ -12,9 +12,12 @@ llama-server's `timings`.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -24,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.endpoints.auth import bearer_matches
 from core.errors import Busy, ClusterError, PromptError
-from core.service import MAX_LOGPROBS, GenerateRequest, Service
+from core.service import MAX_LOGPROBS, GenerateRequest, Send, Service
 from core.status import CoordinatorState
 
 
@@ -34,6 +37,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False  # a last chunk with no choices and the usage, as OpenAI sends it
+
+
+MAX_CHOICES = 16  # n: choices of one request, each generated in a slot of its own
 
 
 class _Request(BaseModel):
@@ -48,7 +54,7 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     # The sampler's knobs; unset ones take llama-server's defaults (core.service), ranges are checked there.
     top_p: float | None = None
@@ -141,8 +147,6 @@ def _invalid(exc: ValidationError) -> web.Response:
     param = ".".join(str(part) for part in first["loc"])
     if first["type"] == "extra_forbidden":
         return _fail(400, f"field {param} is not supported by this server", "invalid_request_error", param)
-    if param == "n":
-        return _fail(400, "only n=1 is supported", "invalid_request_error", "n")
     return _fail(400, f"{param}: {first['msg']}", "invalid_request_error", param)
 
 
@@ -234,34 +238,40 @@ class _Api:
         created = int(time.time())
         if parsed.stream:
             usage_chunk = parsed.stream_options is not None and parsed.stream_options.include_usage
-            return await self._stream(request, job, shape, ident, created, usage_chunk=usage_chunk)
-        texts: list[str] = []
-        logprobs: list[dict[str, Any]] = []
-        done: dict[str, Any] = {}
+            return await self._stream(request, _choices(job, parsed.n), shape, ident, created,
+                                      usage_chunk=usage_chunk)
+        jobs = _choices(job, parsed.n)
+        texts: list[list[str]] = [[] for _ in jobs]
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+        done: list[dict[str, Any]] = [{} for _ in jobs]
 
-        async def collect(event: dict[str, Any]) -> None:
-            if event.get("event") == "done":
-                done.update(event)
-            elif event.get("event") == "token":
-                texts.append(event["text"])
-                logprobs.extend(event.get("logprobs", ()))
+        def collect(index: int) -> Send:
+            async def take(event: dict[str, Any]) -> None:
+                if event.get("event") == "done":
+                    done[index].update(event)
+                elif event.get("event") == "token":
+                    texts[index].append(event["text"])
+                    logprobs[index].extend(event.get("logprobs", ()))
+            return take
 
         try:
-            await self.service.generate(job, collect)
+            await _together(self.service, jobs, collect)
         except PromptError as exc:
             return _fail(400, str(exc), "invalid_request_error", exc.field)
         except ClusterError as exc:
             return _unavailable(exc)
-        text, reason = "".join(texts), _finish_reason(done)
-        chances = shape.logprobs(logprobs) if job.logprobs is not None else None
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": reason, "logprobs": chances} if shape.chat else
-                                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": chances})
+        choices: list[dict[str, Any]] = []
+        for index in range(len(jobs)):
+            text, reason = "".join(texts[index]), _finish_reason(done[index])
+            chances = shape.logprobs(logprobs[index]) if job.logprobs is not None else None
+            choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "finish_reason": reason, "logprobs": chances} if shape.chat else
+                           {"index": index, "text": text, "finish_reason": reason, "logprobs": chances})
         return web.json_response({
             "id": ident, "object": "chat.completion" if shape.chat else "text_completion", "created": created,
-            "model": self.model_id, "choices": [choice], "usage": _usage(done), "timings": _timings(done)})
+            "model": self.model_id, "choices": choices, "usage": _usage(*done), "timings": _timings(done[0])})
 
-    async def _stream(self, request: web.Request, job: GenerateRequest, shape: _Shape, ident: str,
+    async def _stream(self, request: web.Request, jobs: list[GenerateRequest], shape: _Shape, ident: str,
                       created: int, *, usage_chunk: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         chat = shape.chat
@@ -274,28 +284,37 @@ class _Api:
                 await response.prepare(request)
             await response.write(f"data: {json.dumps(data)}\n\n".encode())
 
-        def choice(text: str | None, reason: str | None, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def choice(index: int, text: str | None, reason: str | None,
+                   logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             chances = shape.logprobs(logprobs) if logprobs else None
             if chat:
-                return [{"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": reason,
-                         "logprobs": chances}]
-            return [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": chances}]
+                return [{"index": index, "delta": {"content": text} if text is not None else {},
+                         "finish_reason": reason, "logprobs": chances}]
+            return [{"index": index, "text": text or "", "finish_reason": reason, "logprobs": chances}]
 
-        async def relay(event: dict[str, Any]) -> None:
-            if chat and not response.prepared and event.get("event") in ("token", "done"):
-                # The role comes first; sent with the first token, so an error before it still gets a status.
-                await chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                              "logprobs": None}])
-            if event.get("event") == "token":
-                await chunk(choice(event["text"], None, event.get("logprobs", [])))
-            elif event.get("event") == "done":
-                await chunk(choice(None, _finish_reason(event), []),
-                            {"usage": _usage(event), "timings": _timings(event)})
-                if usage_chunk:  # OpenAI's shape: one more chunk, without choices, that carries the usage
-                    await chunk([], {"usage": _usage(event)})
+        started: set[int] = set()
+        finished: list[dict[str, Any]] = []
+
+        def relay(index: int) -> Send:
+            async def forward(event: dict[str, Any]) -> None:
+                if chat and index not in started and event.get("event") in ("token", "done"):
+                    # The role comes first; sent with the first token, so an error before it still gets a status.
+                    started.add(index)
+                    await chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None, "logprobs": None}])
+                if event.get("event") == "token":
+                    await chunk(choice(index, event["text"], None, event.get("logprobs", [])))
+                elif event.get("event") == "done":
+                    finished.append(event)
+                    await chunk(choice(index, None, _finish_reason(event), []),
+                                {"usage": _usage(event), "timings": _timings(event)})
+                    if usage_chunk and len(finished) == len(jobs):
+                        # OpenAI's shape: one more chunk, without choices, that carries the usage of them all
+                        await chunk([], {"usage": _usage(*finished)})
+            return forward
 
         try:
-            await self.service.generate(job, relay)
+            await _together(self.service, jobs, relay)
         except ClusterError as exc:
             if not response.prepared:  # nothing sent yet: a plain error response with its status
                 return _fail(400, str(exc), "invalid_request_error", exc.field) if isinstance(exc, PromptError) \
@@ -331,9 +350,31 @@ def _finish_reason(done: dict[str, Any]) -> str:
     return "stop" if done.get("reason") == "stop" else "length"
 
 
-def _usage(done: dict[str, Any]) -> dict[str, int]:
-    prompt, completion = int(done.get("prompt_tokens", 0)), int(done.get("completion_tokens", 0))
+def _usage(*done: dict[str, Any]) -> dict[str, int]:
+    """Tokens used: the prompt once (its choices share it), the completions of every choice."""
+    prompt = int(done[0].get("prompt_tokens", 0))
+    completion = sum(int(each.get("completion_tokens", 0)) for each in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _choices(job: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """A request for each of ``n`` choices: with a seed, choice i draws from seed + i (each its own sample)."""
+    return [job if job.seed is None or index == 0 else dataclasses.replace(job, seed=job.seed + index)
+            for index in range(n)]
+
+
+async def _together(service: Service, jobs: list[GenerateRequest], send: Callable[[int], Send]) -> None:
+    """Run a request's choices at once, each in a slot of its own (they queue for slots like any request); the
+    first to fail fails them all and the others are cancelled."""
+    if len(jobs) == 1:
+        await service.generate(jobs[0], send(0))
+        return
+    try:
+        async with asyncio.TaskGroup() as group:
+            for index, job in enumerate(jobs):
+                group.create_task(service.generate(job, send(index)))
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None  # the first failure is the answer
 
 
 def _timings(done: dict[str, Any]) -> dict[str, Any]:
