@@ -48,14 +48,13 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from parity import WORDS, model_argument, split_text
+from parity import WORDS, equal_split, model_argument, split_text
 
 from core.errors import InventoryError
 from core.inventory import parse_inventory
-from core.model import read_model
 from core.nodes.build import cache_dir, pinned_version, source_tree
 from core.nodes.patches import apply_patches, flavour
-from core.planner import NodeCapacity, Plan, plan_equal
+from core.planner import Plan
 from tests.harness import Cluster, big_model, free_port
 
 BATCHED_BENCH = "llama-batched-bench"
@@ -114,18 +113,6 @@ def batched_bench() -> Path:
     subprocess.run(["cmake", "--build", str(build), "--target", BATCHED_BENCH, "--parallel",
                     str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
     return binary
-
-
-def equal_split(model: Path, context: int) -> Plan:
-    """The `equal` strategy's plan of ``model`` over two nodes: what the cluster places and batched-bench gets.
-
-    The nodes are on this machine, so memory is no limit here; the cluster checks its own when it plans.
-    """
-    facts = read_model(model)
-    if facts.n_layers < 2:
-        raise SystemExit(f"batching.py: --model {model}: {facts.n_layers} layer, but the arms split the model over "
-                         "two workers (fix: a model with at least 2 layers)")
-    return plan_equal(facts, [NodeCapacity(f"n{index}", 1 << 62) for index in range(2)], context)
 
 
 def parallel_supported() -> bool:

@@ -78,16 +78,17 @@ def model_argument(text: str) -> Path:
     return path
 
 
-def equal_split(model: Path) -> Plan:
-    """The `equal` strategy's plan of ``model`` over two nodes: what the cluster arms run and llama-bench is given.
+def equal_split(model: Path, context: int = CONTEXT) -> Plan:
+    """The `equal` strategy's plan of ``model`` over two nodes: what the cluster arms run and llama.cpp's own
+    benchmark (llama-bench, llama-batched-bench) is given.
 
     The nodes are on this machine, so memory is no limit here; the cluster checks its own when it plans.
     """
     facts = read_model(model)
     if facts.n_layers < 2:
-        raise SystemExit(f"parity.py: --model {model}: {facts.n_layers} layer, but the arms split the model over "
-                         "two workers (fix: a model with at least 2 layers)")
-    return plan_equal(facts, [NodeCapacity(f"n{index}", 1 << 62) for index in range(2)], CONTEXT)
+        raise SystemExit(f"--model {model}: {facts.n_layers} layer, but the arms split the model over two workers "
+                         "(fix: a model with at least 2 layers)")
+    return plan_equal(facts, [NodeCapacity(f"n{index}", 1 << 62) for index in range(2)], context)
 
 
 def split_text(plan: Plan) -> str:
