@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +119,27 @@ def test_n_choices_are_generated_together_in_slots_of_their_own(cluster4: Cluste
     texts = [choice.text for choice in sampled.choices]
     assert texts == [choice.text for choice in again.choices]  # seeded: reproducible
     assert len(set(texts)) > 1  # each choice its own draws (seed + index)
+
+
+def test_a_client_that_disconnects_frees_its_slot_and_the_others_finish_whole(cluster4: Cluster,
+                                                                               alone: list[str]) -> None:
+    endpoint = cluster4.status()["api_endpoint"]
+    streams = Streams(cluster4)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        others = [pool.submit(streams.one, index) for index in range(1, len(PROMPTS))]
+        streams.started.wait()  # the fourth party of the barrier: the client that leaves
+        body = {"model": "any", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
+        request = urllib.request.Request(f"http://{endpoint}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for _ in range(3):
+                response.readline()  # a few chunks, then gone mid-stream
+        for future in others:
+            future.result(timeout=300)
+    assert streams.texts()[1:] == alone[1:]
+    deadline = time.monotonic() + 30
+    while cluster4.status()["slots_busy"]:  # the slot came free: the coordinator dropped the request
+        assert time.monotonic() < deadline, "the slot stayed busy"
+        time.sleep(0.1)
+    again = client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    assert again.choices[0].text == alone[0]
