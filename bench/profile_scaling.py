@@ -102,7 +102,8 @@ def profile_seconds(model: Path) -> float:
 
 LOAD = """
 import json, sys, time
-from core.engine.coordinator import FLASH_ATTENTION, register_rpc_servers
+from core.engine.coordinator import FLASH_ATTENTION
+from core.engine.rpc_client import register_rpc_servers
 config = json.loads(sys.argv[1])
 register_rpc_servers(tuple(config["endpoints"]))
 import llama_cpp

@@ -6,7 +6,6 @@ import difflib
 import ipaddress
 import os
 import re
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,6 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
+from core.api_key import API_KEY_ENV, environment_key, read_api_key
 from core.errors import InventoryError
 from core.inventory_errors import SHORT, Locator, shown_key, unconstructible, validate
 
@@ -26,13 +26,6 @@ INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
 EMBEDDED_SOURCE = "<embedded default>"
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-API_KEY_ENV = "GGML_CLUSTER_API_KEY"
-# A key is a Bearer token in a header: visible ASCII. Shorter than this, it can be guessed over the network (the API
-# does not slow down wrong guesses); longer than the bound, it is the wrong file.
-MIN_API_KEY_CHARS = 16
-MAX_API_KEY_BYTES = 4096
-API_KEY_FIX = ("fix: generate one, e.g. `openssl rand -hex 32 > api.key && chmod 600 api.key`, and name the file in "
-               "api.key_file")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -368,7 +361,8 @@ def _build(raw: dict[str, Any], source: str, locate: Locator) -> Inventory:
     inventory: Inventory = validate(Inventory, top, (), locate)
     _check_local_ports(inventory, locate)
     _check_chat_template(inventory, locate)
-    inventory._api_key = _api_key(inventory, locate)
+    inventory._api_key = read_api_key(inventory.resolve(inventory.api.key_file)
+                                      if inventory.api.key_file is not None else None, locate)
     _check_exposure(inventory, locate)
     return inventory
 
@@ -457,60 +451,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _api_key(inventory: Inventory, locate: Locator) -> str | None:
-    """The API key: what ``api.key_file`` holds, else ``$GGML_CLUSTER_API_KEY``, else None."""
-    if inventory.api.key_file is None:
-        return _environment_key()
-    path = inventory.resolve(inventory.api.key_file)
-    at = ("api", "key_file")
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise InventoryError(locate.at(at, f"no such file {path}"), API_KEY_FIX) from None
-    except OSError as exc:  # a folder on the way without permission, a name too long
-        raise InventoryError(locate.at(at, f"cannot read {path}: {exc.strerror or exc}")) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise InventoryError(locate.at(at, f"{path} is not a file"), API_KEY_FIX)
-    # As ssh refuses a private key that others can read: a key others can read (or replace) guards nothing.
-    if info.st_mode & 0o077:
-        raise InventoryError(locate.at(at, f"{path} is open to group or others (mode {info.st_mode & 0o777:04o})"),
-                             f"fix: chmod 600 {path}")
-    if info.st_size > MAX_API_KEY_BYTES:
-        raise InventoryError(locate.at(at, f"{path} has {info.st_size} bytes: not an API key"), API_KEY_FIX)
-    try:
-        text = path.read_bytes().decode("ascii")
-    except OSError as exc:
-        raise InventoryError(locate.at(at, f"cannot read {path}: {exc.strerror or exc}")) from None
-    except UnicodeDecodeError:
-        raise InventoryError(locate.at(at, f"{path} holds a character that is not ASCII"), API_KEY_FIX) from None
-    key = text.strip()  # the newline that `echo` and editors leave
-    problem = _key_problem(key)
-    if problem:
-        raise InventoryError(locate.at(at, f"{path} {problem}"), API_KEY_FIX)
-    return key
-
-
-def _environment_key() -> str | None:
-    key = os.environ.get(API_KEY_ENV)
-    if key is None:
-        return None
-    problem = _key_problem(key)
-    if problem:  # set but empty or garbled (`$(cat missing-file)`): never silently an open API
-        raise InventoryError(f"${API_KEY_ENV} {problem}", f"{API_KEY_FIX}, or unset ${API_KEY_ENV}")
-    return key
-
-
-def _key_problem(key: str) -> str:
-    """What makes ``key`` unusable as a Bearer token ('' when nothing does); the key itself is never shown."""
-    if not key:
-        return "is empty"
-    if not all("!" <= char <= "~" for char in key):
-        return "holds a space, a control or a non-ASCII character (a key is visible ASCII)"
-    if len(key) < MIN_API_KEY_CHARS:
-        return f"holds {len(key)} characters: a key needs at least {MIN_API_KEY_CHARS}"
-    return ""
-
-
 def _check_exposure(inventory: Inventory, locate: Locator) -> None:
     """Without a key, the API and the metrics endpoint listen on loopback only."""
     if inventory.api_key is not None:
@@ -548,5 +488,5 @@ def embedded_inventory() -> Inventory:
             Node(name="local-b", kind="local", rpc_port=50153, threads=threads, memory=DEMO_WORKER_MEMORY),
         ),
     )
-    inventory._api_key = _environment_key()
+    inventory._api_key = environment_key()
     return inventory

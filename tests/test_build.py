@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from core.engine.coordinator import LIB_PATH_ENV
+from core.engine.rpc_client import LIB_PATH_ENV
 from core.errors import DeployError
 from core.nodes.build import (
     CACHE_ENV,
