@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from cli.app import app
 from core.errors import InventoryError
-from core.inventory import embedded_inventory, find_inventory, load_inventory, parse_inventory, parse_size
+from core.inventory import embedded_inventory, find_inventory, load_inventory, parse_inventory
+from core.inventory_fields import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 

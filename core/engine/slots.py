@@ -196,7 +196,7 @@ class Scheduler:
         if not entries:
             return
         try:
-            self._decode(entries)
+            self._decode(entries, planned)
         except RuntimeError as exc:  # no worker reported it: the batch's requests fail, the others go on
             for plan in planned:
                 if self.slots[plan.slot.seq] is plan.slot:
@@ -246,14 +246,13 @@ class Scheduler:
             planned.append(_Planned(slot, len(entries) - 1, "prompt", len(chunk)))
         return entries, planned
 
-    def _decode(self, entries: list[Entry]) -> None:
+    def _decode(self, entries: list[Entry], planned: list[_Planned]) -> None:
         """Decode one batch; a batch a worker reports failed is decoded again (its cells dropped first)."""
         engine = self.engine
         first_seen: float | None = None
         failed_on = ""
-        rids = sorted({slot.rid for slot in self.slots if slot is not None and
-                       any(entry.seq == slot.seq for entry in entries)})
-        rid = rids[0] if len(rids) == 1 else None
+        rids = {plan.slot.rid for plan in planned}
+        rid = next(iter(rids)) if len(rids) == 1 else None  # the request a report names, when it is one
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             status = engine.decode(entries)
             engine.synchronize()  # what reading the logits waits for anyway
