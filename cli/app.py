@@ -17,7 +17,8 @@ from cli.render import check_table, deploy_table, plan_table, run_summary, statu
 from core import client
 from core.errors import ClusterError
 from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
-from core.planner import Plan, PlanRow, choice_problem
+from core.plan_explained import PlanRow
+from core.planner import Plan, choice_problem
 from core.status import ClusterStatus, NodeState
 
 app = typer.Typer(

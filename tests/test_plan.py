@@ -10,7 +10,8 @@ import pytest
 from core.errors import PlanError
 from core.inventory import parse_inventory
 from core.model import ModelFacts
-from core.planner import device_bytes, plan_rows
+from core.plan_explained import plan_rows
+from core.planner import device_bytes
 from core.status import ClusterStatus, CoordinatorStatus, NodeState, NodeStatus
 
 GIB = 1 << 30
