@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from core.errors import PlanError
 from core.inventory import Inventory
 from core.model import ModelFacts
-from core.planner import NodeCapacity, NodeSpeed, Plan, choose, depths_for, mib, with_prediction
+from core.planner import NodeCapacity, NodeSpeed, Plan, choose_slots, depths_for, mib, with_prediction
 from core.status import ClusterStatus, NodeStatus
 
 
@@ -57,8 +57,12 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         raise PlanError("the nodes' speeds have not been measured (the cluster runs the "
                         f"'{snapshot.strategy or inventory.strategy}' strategy)",
                         "fix: run `ggml-cluster profile` to measure them")
-    plan = choose(strategy, model, capacities, inventory.kv_tokens, speeds=measured[0] if measured else None,
-                  objective=objective or inventory.objective)
+    # The running cluster keeps the slots its first plan chose (a re-plan reserves KV cells for as many); one
+    # that has no plan yet would choose them as `up` does.
+    parallel = snapshot.slots if snapshot.strategy else inventory.api.parallel
+    plan = choose_slots(strategy, model, capacities, inventory.context, parallel,
+                        speeds=measured[0] if measured else None, objective=objective or inventory.objective)
+    kv_tokens = inventory.context * plan.slots
     if measured is not None:
         plan = with_prediction(plan, measured[0], model, measured[1])
     rows = []
@@ -69,10 +73,10 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         index = plan.nodes.index(node.name)
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
-                   context=inventory.kv_tokens)
+                   context=kv_tokens)
         layers = plan.layers[index]
         if layers is not None and layers[1] == model.n_layers - 1:
-            why += "; " + output_note(model, inventory.kv_tokens, speed)
+            why += "; " + output_note(model, kv_tokens, speed)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
                             capacities[index].usable, why, predicted))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import get_args
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -45,6 +46,7 @@ class Plan:
     strategy: str
     predicted_s: tuple[float, ...] = ()  # each node's share of a token, when the nodes were measured
     overhead_s: float = 0.0               # the coordinator's own share of a token
+    slots: int = 1                        # requests decoded together, each with KV cells for the whole context
 
     @property
     def used(self) -> tuple[str, ...]:
@@ -75,6 +77,7 @@ class Plan:
             "tensor_split": list(self.tensor_split),
             "overhead_ms": self.overhead_s * 1000,
             "predicted_ms": None if self.predicted_total_s is None else self.predicted_total_s * 1000,
+            "slots": self.slots,
         }
 
 
@@ -313,6 +316,29 @@ def choose(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], cont
             raise PlanError("the compute strategy needs the nodes' measured speeds")
         return plan_compute(model, nodes, speeds, context, objective)
     return (plan_memory if strategy == "memory" else plan_equal)(model, nodes, context)
+
+
+# What `api.parallel: auto` tries, the most first: llama-server's own default (`-np` auto) is 4 slots.
+AUTO_SLOTS = (4, 2, 1)
+
+
+def choose_slots(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], context: int,
+                 parallel: int | Literal["auto"], *, speeds: Sequence[NodeSpeed] | None = None,
+                 objective: str = "latency") -> Plan:
+    """The plan of ``strategy`` (see choose) with a KV cache of ``context`` tokens for each of ``parallel`` slots;
+    ``auto``: the most of AUTO_SLOTS whose plan fits. Raises PlanError as choose does, for one slot under auto."""
+    tries = AUTO_SLOTS if parallel == "auto" else (parallel,)
+    for slots in tries[:-1]:
+        with contextlib.suppress(PlanError):  # fewer slots may fit
+            return replace(choose(strategy, model, nodes, context * slots, speeds=speeds, objective=objective),
+                           slots=slots)
+    plan = choose(strategy, model, nodes, context * tries[-1], speeds=speeds, objective=objective)
+    return replace(plan, slots=tries[-1])
+
+
+def slots_note(slots: int, parallel: int | str) -> str:
+    """``4 slots (auto)``: the slots a plan holds, and whether api.parallel chose them."""
+    return f"{slots} slot{'' if slots == 1 else 's'}{' (auto)' if parallel == 'auto' else ''}"
 
 
 # --- what the profiler measures ------------------------------------------------------------------------
