@@ -17,7 +17,8 @@ from cli.render import check_table, deploy_table, plan_table, run_summary, statu
 from core import client
 from core.errors import ClusterError
 from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
-from core.planner import Plan, PlanRow, choice_problem
+from core.plan_explained import PlanRow
+from core.planner import Plan, choice_problem, slots_note
 from core.status import ClusterStatus, NodeState
 
 app = typer.Typer(
@@ -162,8 +163,9 @@ def up(
                   f"{'; '.join(failed)}", soft_wrap=True, highlight=False)
     holding = sum(node.layers is not None for node in snapshot.nodes)
     predicted = f", predicted {snapshot.predicted_ms:.1f} ms/token" if snapshot.predicted_ms else ""
-    err.print(f"plan: {snapshot.strategy}, layers on {holding} of {ready} worker(s){predicted}; "
-              "`ggml-cluster plan` says why", highlight=False, soft_wrap=True)
+    err.print(f"plan: {snapshot.strategy}, layers on {holding} of {ready} worker(s){predicted}, "
+              f"{slots_note(snapshot.slots, inventory.api.parallel)}; `ggml-cluster plan` says why",
+              highlight=False, soft_wrap=True)
     for kind, address, shown in (("metrics", snapshot.metrics_endpoint, "metrics: http://{}/metrics"),
                                  ("api", snapshot.api_endpoint, "api: http://{}/v1 (OpenAI-compatible)")):
         problem = next((event.message for event in reversed(snapshot.events) if event.kind == f"{kind}-failed"), None)
@@ -294,18 +296,23 @@ def plan(
         err.print(f"[red]error:[/red] --strategy/--objective: {problem}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     result, rows = _execute(client.explain_plan(inventory, chosen, objective))
-    _print_plan(result, rows, as_json)
+    _print_plan(result, rows, as_json, inventory)
 
 
-def _print_plan(result: Plan, rows: list[PlanRow], as_json: bool) -> None:
+def _print_plan(result: Plan, rows: list[PlanRow], as_json: bool, inventory: Inventory) -> None:
+    auto = inventory.api.parallel == "auto"
     if as_json:
-        sys.stdout.write(json.dumps({**result.to_dict(), "rows": [row.to_dict() for row in rows]}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({**result.to_dict(), "slots_auto": auto, "rows": [row.to_dict() for row in rows]},
+                                    indent=2) + "\n")
         return
     out.print(plan_table(rows))
     total = result.predicted_total_s
     predicted = "" if total is None else (f"; predicted {total * 1000:.1f} ms/token ({1 / total:.1f} tok/s) "
                                           f"with {result.overhead_s * 1000:.2f} ms in the coordinator")
-    err.print(f"strategy {result.strategy}: tensor_split {list(result.tensor_split)}{predicted}", highlight=False)
+    slots = (f"{slots_note(result.slots, inventory.api.parallel)} of {inventory.context} tokens: a "
+             f"{inventory.context * result.slots}-token KV cache")
+    err.print(f"strategy {result.strategy}: tensor_split {list(result.tensor_split)}; {slots}{predicted}",
+              highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -319,7 +326,7 @@ def profile(
     err.print("measuring the nodes (a few seconds per node) …")
     _execute(client.reprofile(inventory))
     result, rows = _execute(client.explain_plan(inventory, inventory.strategy))
-    _print_plan(result, rows, as_json)
+    _print_plan(result, rows, as_json, inventory)
 
 
 @app.command()

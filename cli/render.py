@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.client import NodeCheck
-from core.planner import PlanRow
+from core.plan_explained import PlanRow
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 STATE_STYLE = {

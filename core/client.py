@@ -28,11 +28,8 @@ from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.shell import Remote
 from core.nodes.worker import worker_dir
-from core.planner import (
-    Plan,
-    PlanRow,
-    plan_rows,
-)
+from core.plan_explained import PlanRow, plan_rows
+from core.planner import Plan
 from core.state import Launch, StateDir, fingerprint, process_alive, read_launch, state_path
 from core.status import ClusterStatus, CoordinatorState, NodeState
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from core.api_key import API_KEY_ENV, environment_key, read_api_key
 from core.errors import InventoryError
 from core.inventory_errors import SHORT, Locator, unconstructible, validate
-from core.inventory_fields import Environment, Host, Name, PathText, Port, Size, User
+from core.inventory_fields import Environment, Host, Name, PathText, Port, Size, Slots, User
 
 INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
@@ -116,8 +116,9 @@ class Api(_Frozen):
     key_file: PathText | None = None
     # Requests that may wait for a slot; one more is refused at once (503 with Retry-After, `run` exits 1).
     queue: Annotated[int, Field(ge=0, le=4096, strict=True)] = 16
-    # Requests generated at once (slots).
-    parallel: Annotated[int, Field(ge=1, le=64, strict=True)] = 1
+    # Requests generated at once (slots), each with its own KV cache of `context` tokens. auto: the most of 4, 2
+    # and 1 whose KV cache fits with the model (core.planner.choose_slots), chosen at the first plan.
+    parallel: Slots = "auto"
 
 
 class Metrics(_Frozen):
@@ -156,11 +157,6 @@ class Inventory(_Frozen):
     def api_key(self) -> str | None:
         """The key the API and the metrics endpoint require as a Bearer token; None: they are open (loopback)."""
         return self._api_key
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV cells the coordinator holds: ``context`` for each of the API's parallel slots."""
-        return self.context * self.api.parallel
 
     @property
     def model_path(self) -> Path | None:

@@ -129,7 +129,7 @@ def validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate: 
 
 
 # pydantic names union members in error locations; they mean nothing to a user.
-_UNION_TAGS = frozenset({"literal['auto','remote','push']", "BuildPath", "int", "str",
+_UNION_TAGS = frozenset({"literal['auto','remote','push']", "BuildPath", "int", "str", "constrained-int",
                          "function-after[_host_for_kind(), Node]"})
 
 

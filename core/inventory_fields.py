@@ -4,7 +4,7 @@ environment, each validated with a one-line reason (core.inventory_errors places
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 
@@ -80,6 +80,13 @@ def _environment(value: object) -> object:
     return value
 
 
+def _slots(value: object) -> object:
+    """``api.parallel``: "auto" or a whole number (whose bounds pydantic checks, with its own messages)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{SHORT.repr(value)} is neither 'auto' nor a whole number of slots (1 to 64)")
+
+
 def _no_nul(value: object) -> object:
     if isinstance(value, str) and "\0" in value:
         raise ValueError("a path cannot contain a NUL character")
@@ -93,3 +100,4 @@ Host = Annotated[str, Field(pattern=HOST_PATTERN, max_length=255)]
 PathText = Annotated[str, BeforeValidator(_no_nul), Field(min_length=1, max_length=4096)]
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 Environment = Annotated[dict[str, str], BeforeValidator(_environment)]
+Slots = Annotated[Annotated[int, Field(ge=1, le=64, strict=True)] | Literal["auto"], BeforeValidator(_slots)]

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import get_args
+from typing import Literal, get_args
 
 import numpy as np
 
 from core.errors import PlanError
-from core.inventory import Inventory, Objective, Strategy
+from core.inventory import Objective, Strategy
 from core.model import BATCH, ModelFacts
-from core.status import ClusterStatus, NodeStatus
 
 # Head-room kept free on each node: compute buffers and the allocator's own needs.
 RESERVE_FRACTION = 0.10
@@ -47,6 +46,7 @@ class Plan:
     strategy: str
     predicted_s: tuple[float, ...] = ()  # each node's share of a token, when the nodes were measured
     overhead_s: float = 0.0               # the coordinator's own share of a token
+    slots: int = 1                        # requests decoded together, each with KV cells for the whole context
 
     @property
     def used(self) -> tuple[str, ...]:
@@ -77,6 +77,7 @@ class Plan:
             "tensor_split": list(self.tensor_split),
             "overhead_ms": self.overhead_s * 1000,
             "predicted_ms": None if self.predicted_total_s is None else self.predicted_total_s * 1000,
+            "slots": self.slots,
         }
 
 
@@ -317,6 +318,29 @@ def choose(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], cont
     return (plan_memory if strategy == "memory" else plan_equal)(model, nodes, context)
 
 
+# What `api.parallel: auto` tries, the most first: llama-server's own default (`-np` auto) is 4 slots.
+AUTO_SLOTS = (4, 2, 1)
+
+
+def choose_slots(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], context: int,
+                 parallel: int | Literal["auto"], *, speeds: Sequence[NodeSpeed] | None = None,
+                 objective: str = "latency") -> Plan:
+    """The plan of ``strategy`` (see choose) with a KV cache of ``context`` tokens for each of ``parallel`` slots;
+    ``auto``: the most of AUTO_SLOTS whose plan fits. Raises PlanError as choose does, for one slot under auto."""
+    tries = AUTO_SLOTS if parallel == "auto" else (parallel,)
+    for slots in tries[:-1]:
+        with contextlib.suppress(PlanError):  # fewer slots may fit
+            return replace(choose(strategy, model, nodes, context * slots, speeds=speeds, objective=objective),
+                           slots=slots)
+    plan = choose(strategy, model, nodes, context * tries[-1], speeds=speeds, objective=objective)
+    return replace(plan, slots=tries[-1])
+
+
+def slots_note(slots: int, parallel: int | str) -> str:
+    """``4 slots (auto)``: the slots a plan holds, and whether api.parallel chose them."""
+    return f"{slots} slot{'' if slots == 1 else 's'}{' (auto)' if parallel == 'auto' else ''}"
+
+
 # --- what the profiler measures ------------------------------------------------------------------------
 
 DEPTHS = (1, 3)        # layers on the node in the two layouts the profiler times side by side
@@ -339,103 +363,3 @@ def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
     while high > low and need(low) + need(high) > usable:  # both are loaded at once
         high -= 1
     return low, high
-
-
-# --- the plan explained --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlanRow:
-    """One node in `plan`: what it would hold, what that costs per token, and why."""
-
-    name: str
-    layers: tuple[int, int] | None
-    share: float
-    needs: int
-    usable: int
-    why: str
-    predicted_ms: float | None = None  # this node's share of a token, when the nodes were measured
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain dict for JSON."""
-        data = dict(vars(self))
-        data["layers"] = list(self.layers) if self.layers else None
-        return data
-
-
-def snapshot_speeds(snapshot: ClusterStatus, nodes: list[NodeStatus], model: ModelFacts,
-                    usable: list[NodeCapacity]) -> tuple[list[NodeSpeed], float] | None:
-    """The measured cost model of ``nodes`` from a snapshot; None when they were not measured."""
-    speeds = []
-    for node, capacity in zip(nodes, usable, strict=True):
-        if node.fixed_ms is not None and node.layer_ms is not None:
-            speeds.append(NodeSpeed(node.fixed_ms / 1000, node.layer_ms / 1000, (node.output_ms or 0.0) / 1000))
-        elif depths_for(model, capacity.usable) is None:
-            speeds.append(NodeSpeed(math.inf, 0.0))  # cannot hold a layer, so it was not timed
-        else:
-            return None
-    return speeds, (snapshot.overhead_ms or 0.0) / 1000
-
-
-def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str,
-              objective: str | None = None) -> tuple[Plan, list[PlanRow]]:
-    """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part."""
-    caps = {node.name: node.memory for node in inventory.nodes}
-    usable = [node for node in snapshot.nodes if not node.left_out and node.mem_total]
-    capacities = [NodeCapacity(node.name, node.mem_free, caps.get(node.name)) for node in usable]
-    measured = snapshot_speeds(snapshot, usable, model, capacities)
-    if strategy == "compute" and measured is None:
-        raise PlanError("the nodes' speeds have not been measured (the cluster runs the "
-                        f"'{snapshot.strategy or inventory.strategy}' strategy)",
-                        "fix: run `ggml-cluster profile` to measure them")
-    plan = choose(strategy, model, capacities, inventory.kv_tokens, speeds=measured[0] if measured else None,
-                  objective=objective or inventory.objective)
-    if measured is not None:
-        plan = with_prediction(plan, measured[0], model, measured[1])
-    rows = []
-    for node in snapshot.nodes:
-        if node not in usable:
-            rows.append(PlanRow(node.name, None, 0.0, 0, 0, f"left out: {node.last_error or node.state}"))
-            continue
-        index = plan.nodes.index(node.name)
-        speed = measured[0][index] if measured else None
-        why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
-                   context=inventory.kv_tokens)
-        layers = plan.layers[index]
-        if layers is not None and layers[1] == model.n_layers - 1:
-            why += "; " + output_note(model, inventory.kv_tokens, speed)
-        predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
-        rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
-                            capacities[index].usable, why, predicted))
-    return plan, rows
-
-
-def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None) -> str:
-    """What the output layer costs the node that holds it: its weights, its logits buffer, its time per token."""
-    matrix = "the tied token embeddings" if model.tied_output else "output.weight"
-    logits = model.logits_buffer_bytes(context)
-    timed = f", {speed.output_s * 1000:.2f} ms/token" if speed is not None and math.isfinite(speed.output_s) else ""
-    return (f"holds the output layer ({matrix}): {mib(model.output_bytes)} and a {mib(logits)} logits buffer"
-            f"{timed}, and sends {model.logits_bytes / 1024:.0f} KiB of logits per token")
-
-
-def _why(plan: Plan, index: int, *, capacity: NodeCapacity, speed: NodeSpeed | None, model: ModelFacts,
-         strategy: str, context: int) -> str:
-    """A plain reason for what one node got."""
-    layers, share = plan.layers[index], plan.tensor_split[index]
-    count = 0 if layers is None else layers[1] - layers[0] + 1
-    if strategy != "compute":
-        rule = "its share of usable memory" if strategy == "memory" else "an equal share"
-        if layers is None:
-            return f"no layers: {rule} ({share:.1%}) is less than one of {model.n_layers + 1} slots"
-        return f"{count} of {model.n_layers} layers: {rule} ({share:.1%})"
-    assert speed is not None
-    cost = f"{speed.fixed_s * 1000:.2f} ms fixed + {speed.per_layer_s * 1000:.2f} ms/layer"
-    if layers is None:
-        if not math.isfinite(speed.fixed_s) or capacity.usable < min(model.layer_bytes) + model.kv_bytes(context):
-            return f"no layers: cannot hold one layer ({mib(capacity.usable)} usable)"
-        return f"no layers: it would add more time than it saves ({cost})"
-    room = capacity.usable - plan.bytes_needed[index]
-    if count < model.n_layers and room < max(model.layer_bytes) + model.kv_bytes(context):
-        return f"{count} of {model.n_layers} layers: as many as its memory holds ({cost})"
-    return f"{count} of {model.n_layers} layers: fastest placement ({cost})"

@@ -88,6 +88,35 @@ def test_a_waiter_that_gives_up_leaves_the_queue_and_a_slot_handed_to_it_passes_
     asyncio.run(scenario())
 
 
+def test_the_slots_the_plan_chose_go_to_those_waiting_first_come_first_served() -> None:
+    """api.parallel: auto admits one request until the first plan has chosen the slots, then that many."""
+    async def scenario() -> None:
+        admission = Admission(1, 8, lambda: None)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def request(name: str) -> None:
+            async with admission.place():
+                order.append(name)
+                await release.wait()
+
+        tasks = [asyncio.create_task(request(name)) for name in "abcde"]
+        await asyncio.sleep(0)
+        assert (order, admission.busy, admission.queued) == (["a"], 1, 4)
+        admission.resize(4)
+        assert (admission.slots, admission.busy, admission.queued) == (4, 4, 1)
+        await asyncio.sleep(0)
+        assert order == ["a", "b", "c", "d"]  # e still waits: four slots, all held
+        newcomer = asyncio.create_task(request("f"))
+        await asyncio.sleep(0)
+        assert admission.queued == 2 and order == ["a", "b", "c", "d"]
+        release.set()
+        await asyncio.gather(*tasks, newcomer)
+        assert order == ["a", "b", "c", "d", "e", "f"] and (admission.busy, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
 def test_retry_after_is_what_the_running_request_has_left_of_the_recent_mean() -> None:
     async def scenario() -> None:
         admission = Admission(1, 0, lambda: None)
@@ -114,7 +143,8 @@ def test_retry_after_is_what_the_running_request_has_left_of_the_recent_mean() -
 def test_the_controller_queues_up_to_the_bound_and_refuses_beyond(
         tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     async def scenario() -> None:
-        async with cluster(tmp_path, model, monkeypatch, api="{queue: 1}") as fake:
+        # One slot (not auto's four): the second request waits, the third is refused.
+        async with cluster(tmp_path, model, monkeypatch, api="{queue: 1, parallel: 1}") as fake:
             controller = fake.controller
             first = asyncio.Event()
             texts: dict[str, list[str]] = {"a": [], "b": []}
@@ -150,7 +180,8 @@ def test_the_controller_queues_up_to_the_bound_and_refuses_beyond(
 def test_run_is_told_the_cluster_is_busy_and_when_to_retry(
         tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     async def scenario() -> None:
-        async with cluster(tmp_path, model, monkeypatch, api="{queue: 0}") as fake:
+        # One slot (not auto's four): the second request is refused at once.
+        async with cluster(tmp_path, model, monkeypatch, api="{queue: 0, parallel: 1}") as fake:
             controller = fake.controller
             server = await serve_control(controller, controller.state.socket)
             first = asyncio.Event()

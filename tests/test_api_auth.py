@@ -148,11 +148,12 @@ def test_a_streamed_request_that_finds_the_cluster_busy_gets_the_503_too() -> No
 
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[Cluster]:
-    """A 2-worker cluster whose API and metrics need KEY, and whose queue holds nobody."""
+    """A 2-worker cluster whose API and metrics need KEY, with one slot (not auto's four) and a queue that holds
+    nobody: a second request is refused."""
     root = Path(tempfile.mkdtemp(prefix="gck-", dir="/tmp"))
     (root / "api.key").write_text(KEY + "\n")
     (root / "api.key").chmod(0o600)
-    cluster = Cluster(root, nodes=2, api="{port: 0, key_file: api.key, queue: 0}")
+    cluster = Cluster(root, nodes=2, api="{port: 0, key_file: api.key, queue: 0, parallel: 1}")
     cluster.cli("up")
     yield cluster
     cluster.cli("down", check=False)

@@ -59,7 +59,10 @@ def test_plan_shows_the_running_layout_and_why(cluster3: Cluster) -> None:
     assert [row["layers"] for row in shown["rows"]] == [[0, 2], [3, 5], [6, 7]]
     assert shown["tensor_split"] == cluster3.status()["tensor_split"]
     assert all("its share of usable memory" in row["why"] for row in shown["rows"])
-    assert "3 of 8 layers" in cluster3.cli("plan", "--strategy", "equal").stdout
+    assert (shown["slots"], shown["slots_auto"]) == (4, True)  # api.parallel: auto, the default
+    equal = cluster3.cli("plan", "--strategy", "equal")
+    assert "3 of 8 layers" in equal.stdout
+    assert "; 4 slots (auto) of 512 tokens: a 2048-token KV cache" in equal.stderr
     assert cluster3.cli("plan", "--strategy", "fastest", check=False).returncode == 2
 
 

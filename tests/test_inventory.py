@@ -89,6 +89,11 @@ BAD = {
                               "bad.yaml:2: api.parallel: 65: input should be less than or equal to 64"),
     "no parallel slot": ("cluster: a\napi: {parallel: 0}\nnodes:\n  - name: x\n    kind: local\n",
                          "bad.yaml:2: api.parallel: 0: input should be greater than or equal to 1"),
+    "parallel neither auto nor a number": ("cluster: a\napi: {parallel: many}\nnodes:\n  - name: x\n    kind: local\n",
+                                           "bad.yaml:2: api.parallel: 'many' is neither 'auto' nor a whole number "
+                                           "of slots (1 to 64)"),
+    "parallel as a yes": ("cluster: a\napi: {parallel: true}\nnodes:\n  - name: x\n    kind: local\n",
+                          "bad.yaml:2: api.parallel: True is neither 'auto' nor a whole number of slots (1 to 64)"),
     "negative queue": ("cluster: a\napi: {queue: -1}\nnodes:\n  - name: x\n    kind: local\n",
                        "bad.yaml:2: api.queue: -1: input should be greater than or equal to 0"),
     "misspelt chat format": ("cluster: a\nchat_template: gema\nnodes:\n  - name: x\n    kind: local\n",
@@ -477,6 +482,8 @@ def test_the_key_may_come_from_the_environment(tmp_path: Path, monkeypatch: pyte
 
 def test_queue_and_parallel_defaults_and_bounds() -> None:
     api = parse_inventory(LOCAL, "inv.yaml").api
-    assert (api.queue, api.parallel, api.key_file) == (16, 1, None)
+    assert (api.queue, api.parallel, api.key_file) == (16, "auto", None)  # auto: chosen with the plan
     api = parse_inventory(LOCAL + "api: {queue: 0, parallel: 64}\n", "inv.yaml").api
     assert (api.queue, api.parallel) == (0, 64)  # 0: nobody waits
+    assert parse_inventory(LOCAL + "api: {parallel: 1}\n", "inv.yaml").api.parallel == 1  # today's one slot
+    assert parse_inventory(LOCAL + "api: {parallel: auto}\n", "inv.yaml").api.parallel == "auto"

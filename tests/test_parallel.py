@@ -28,8 +28,9 @@ TOKENS = 32
 def cluster4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     import tempfile
 
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="gcp-", dir="/tmp")), nodes=2, api="{port: 0, parallel: 4}")
-    cluster.cli("up")
+    # api.parallel left to its default, auto: the demo model's plan fits the KV cache of four slots here.
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="gcp-", dir="/tmp")), nodes=2)
+    cluster.up_output = cluster.cli("up").stderr
     yield cluster
     cluster.cli("down", check=False)
 
@@ -79,6 +80,14 @@ class Streams:
 
     def texts(self) -> list[str]:
         return ["".join(pieces) for pieces in self.pieces]
+
+
+def test_a_default_inventory_comes_up_with_four_slots_chosen_automatically(cluster4: Cluster) -> None:
+    status = cluster4.status()
+    assert status["slots"] == 4
+    assert any(event["kind"] == "plan" and "; 4 slots (auto)" in event["message"] for event in status["events"])
+    assert ", 4 slots (auto); `ggml-cluster plan` says why" in cluster4.up_output
+    assert json.loads((cluster4.state / "plan.json").read_text())["slots"] == 4
 
 
 def test_four_streams_at_once_are_decoded_together_and_each_gets_its_own_text(cluster4: Cluster,

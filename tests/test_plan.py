@@ -10,7 +10,8 @@ import pytest
 from core.errors import PlanError
 from core.inventory import parse_inventory
 from core.model import ModelFacts
-from core.planner import device_bytes, plan_rows
+from core.plan_explained import plan_rows
+from core.planner import device_bytes
 from core.status import ClusterStatus, CoordinatorStatus, NodeState, NodeStatus
 
 GIB = 1 << 30
@@ -39,7 +40,22 @@ def test_memory_plan_explains_every_node() -> None:
     assert big.layers == (0, 7) and big.why.startswith("8 of 8 layers: its share of usable memory")
     assert tiny.layers is None and tiny.why.startswith("no layers: its share of usable memory (0.0%)")
     assert dead.why == "left out: crash loop: exit code 1"
-    assert big.needs == 8 * ((10 << 20) + 2048 * 256) + (5 << 20) + MODEL.compute_bytes(2048, last=True)
+    # api.parallel: auto, and big holds the KV cache of 4 slots of the 2048-token context.
+    assert plan.slots == 4
+    assert big.needs == 8 * ((10 << 20) + 4 * 2048 * 256) + (5 << 20) + MODEL.compute_bytes(4 * 2048, last=True)
+
+
+def test_the_plan_keeps_the_running_clusters_slots_and_auto_chooses_fewer_where_memory_is_short() -> None:
+    running = snapshot()
+    running.strategy, running.slots = "memory", 2  # the slots its first plan chose, kept on every re-plan
+    plan, rows = plan_rows(running, INVENTORY, MODEL, "memory")
+    assert plan.slots == 2 and rows[0].needs == device_bytes(MODEL, (0, 7), 2 * 2048, output=True)
+    short = snapshot()  # no plan yet: auto chooses as `up` would
+    short.nodes[0].mem_free = short.nodes[0].mem_total = (
+            (64 << 20) + 8 * (10 << 20) + (5 << 20) + 8 * 2 * 2048 * 256 + MODEL.compute_bytes(2 * 2048, last=True))
+    short.nodes[1].mem_free = short.nodes[1].mem_total = 0
+    plan, rows = plan_rows(short, INVENTORY, MODEL, "memory")
+    assert plan.slots == 2 and rows[0].needs <= rows[0].usable
 
 
 def test_equal_plan_splits_evenly_and_checks_memory() -> None:
@@ -84,7 +100,7 @@ def test_compute_plan_explains_every_node() -> None:
 def test_compute_plan_says_when_memory_decides() -> None:
     small = snapshot()
     small.nodes[0].mem_free = small.nodes[0].mem_total = (
-            (64 << 20) + 3 * (10 << 20) + 3 * 2048 * 256 + MODEL.compute_bytes(2048, last=False) + (1 << 20))
+            (64 << 20) + 3 * ((10 << 20) + 4 * 2048 * 256) + MODEL.compute_bytes(4 * 2048, last=False) + (1 << 20))
     small.nodes[1].mem_free = small.nodes[1].mem_total = 4 * GIB
     _, rows = plan_rows(measured(small, {"big": (1.0, 1.0), "tiny": (1.0, 5.0)}), INVENTORY, MODEL, "compute")
     assert [row.layers for row in rows[:2]] == [(0, 2), (3, 7)]
@@ -110,5 +126,5 @@ def test_the_node_with_the_last_layer_is_shown_the_output_layers_cost() -> None:
     assert big.layers == (0, 7)
     assert big.why.endswith("; holds the output layer (the tied token embeddings): 170.0 MiB and a 512.0 MiB logits "
                             "buffer, 7.50 ms/token, and sends 1024 KiB of logits per token")
-    assert big.needs == device_bytes(tied, (0, 7), INVENTORY.context, output=True)
+    assert big.needs == device_bytes(tied, (0, 7), 4 * INVENTORY.context, output=True)  # 4 slots (auto)
     assert big.needs > 8 * (10 << 20) + (170 << 20) + (512 << 20)

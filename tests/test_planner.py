@@ -13,15 +13,20 @@ from core.errors import PlanError
 from core.inventory import embedded_inventory
 from core.model import ModelFacts, read_model, write_demo_model
 from core.planner import (
+    AUTO_SLOTS,
     NodeCapacity,
     NodeSpeed,
     assign_layers,
+    choose,
+    choose_slots,
     depths_for,
+    device_bytes,
     layer_ranges,
     plan_compute,
     plan_equal,
     plan_memory,
     predict_seconds,
+    slots_note,
     split_for_counts,
     with_prediction,
 )
@@ -191,12 +196,13 @@ def test_prediction_is_carried_by_the_plan() -> None:
                                   ((0.05, 0.05), (0.0001, 0.00001))])    # a far slower: b would take all
 def test_the_embedded_default_puts_layers_on_both_demo_workers(tmp_path: Path, cost: tuple) -> None:
     """The demo is a cluster: neither demo worker's memory holds the demo model alone, the two together do,
-    and each can still be timed (profiled) before the first plan."""
+    and each can still be timed (profiled) before the first plan. Their memory holds the KV cache of one slot, so
+    api.parallel: auto (the default) chooses one."""
     inventory = embedded_inventory()
     demo = read_model(write_demo_model(tmp_path / "demo.gguf"))
     nodes = [NodeCapacity(node.name, 64 * GIB, node.memory) for node in inventory.nodes]
-    plan = plan_compute(demo, nodes, speeds(*cost), inventory.context)
-    assert all(plan.layers), plan.layers
+    plan = choose_slots("compute", demo, nodes, inventory.context, inventory.api.parallel, speeds=speeds(*cost))
+    assert all(plan.layers) and plan.slots == 1, plan
     for other in (plan_memory, plan_equal):
         assert all(other(demo, nodes, inventory.context).layers)
     for node in nodes:
@@ -204,6 +210,48 @@ def test_the_embedded_default_puts_layers_on_both_demo_workers(tmp_path: Path, c
             plan_compute(demo, [node], speeds(cost[0]), inventory.context)
         low, high = depths_for(demo, node.usable) or (0, 0)
         assert 1 <= low < high
+
+
+# KV cells that matter: 64 KiB per token and layer, 512 MiB for 1024 tokens of 8 layers.
+KV_HEAVY = replace(model(8, 10 << 20), kv_bytes_per_token_layer=64 << 10)
+
+
+def holding(slots: int, less: int = 0) -> NodeCapacity:
+    """A node whose usable memory holds KV_HEAVY with 1024 tokens for each of ``slots`` slots (less ``less``)."""
+    need = device_bytes(KV_HEAVY, (0, 7), 1024 * slots, output=True) - less
+    node = NodeCapacity("a", 1 << 50, need)
+    while node.usable < need:
+        node = replace(node, mem_cap=(node.mem_cap or 0) + (1 << 20))
+    return node
+
+
+@pytest.mark.parametrize(("room", "slots"), [(4, 4), (3, 2), (2, 2), (1, 1)])
+def test_auto_chooses_the_most_slots_whose_kv_cache_fits(room: int, slots: int) -> None:
+    plan = choose_slots("memory", KV_HEAVY, [holding(room)], 1024, "auto")
+    assert plan.slots == slots and plan.to_dict()["slots"] == slots
+    assert plan == replace(choose("memory", KV_HEAVY, [holding(room)], 1024 * slots), slots=slots)
+    assert AUTO_SLOTS == (4, 2, 1)  # llama-server's own default (-np auto) is 4
+
+
+def test_auto_fails_as_one_slot_does_when_not_even_one_fits() -> None:
+    with pytest.raises(PlanError) as one:
+        choose("memory", KV_HEAVY, [holding(1, less=1 << 20)], 1024)
+    with pytest.raises(PlanError) as auto:
+        choose_slots("memory", KV_HEAVY, [holding(1, less=1 << 20)], 1024, "auto")
+    assert str(auto.value) == str(one.value) and "with a 1024-token KV cache" in str(auto.value)
+
+
+def test_a_number_of_slots_is_exactly_that_many_or_the_plan_error() -> None:
+    assert choose_slots("equal", KV_HEAVY, [holding(4)], 1024, 3).slots == 3
+    with pytest.raises(PlanError, match="with a 4096-token KV cache\\) does not fit"):
+        choose_slots("memory", KV_HEAVY, [holding(2)], 1024, 4)  # no fewer slots than asked for
+    compute = choose_slots("compute", KV_HEAVY, [holding(2)], 1024, "auto", speeds=speeds((0.001, 0.001)))
+    assert (compute.slots, compute.strategy) == (2, "compute (latency)")
+
+
+def test_slots_note_says_whether_auto_chose_them() -> None:
+    assert (slots_note(4, "auto"), slots_note(1, "auto"), slots_note(2, 2)) == ("4 slots (auto)", "1 slot (auto)",
+                                                                                 "2 slots")
 
 
 def test_one_list_of_strategies_and_objectives_and_one_dispatch(tmp_path: Path) -> None:

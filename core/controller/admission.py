@@ -1,5 +1,5 @@
-"""Who may generate now: ``api.parallel`` requests at once and a bounded queue in front of them (Admission), and
-requests together but a re-plan alone (Turns)."""
+"""Who may generate now: as many requests at once as the plan has slots (``api.parallel``) and a bounded queue in
+front of them (Admission), and requests together but a re-plan alone (Turns)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,15 @@ class Admission:
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._started: list[float] = []  # when each request holding a slot got it (monotonic)
         self._held_s: deque[float] = deque(maxlen=RECENT_REQUESTS)  # how long recent requests held theirs
+
+    def resize(self, slots: int) -> None:
+        """The plan chose ``slots`` (no fewer than now): the new ones go to those waiting, first come, first
+        served."""
+        self.slots = slots
+        while self._waiting and self.busy < self.slots:
+            self.busy += 1  # held for the waiter from now, as _release hands one over
+            self._waiting.popleft().set_result(None)
+        self.changed()
 
     @property
     def queued(self) -> int:

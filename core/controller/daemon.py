@@ -68,14 +68,17 @@ class Controller:
             probe=seams.probe, reach=seams.reach)
         self.nodes = self.fleet.nodes
         self.placement = Placement(inventory, self.model, model_path=Path(launch.model), protocol=launch.protocol,
-                                   state=state, log=self.log, cache=ProfileCache(cache_dir() / "profiles"))
+                                   state=state, log=self.log, cache=ProfileCache(cache_dir() / "profiles"),
+                                   slots_chosen=self._slots_chosen)
         bound = seams.watchdog_s if seams.watchdog_s is not None else inventory.watchdog
         watchdog = Watchdog(self.fleet, self.placement, self.log, bound, seams.liveness_s)
         self.supervisor = CoordinatorSupervisor(inventory, self.model, state, log=self.log, tasks=self.tasks,
                                                 fleet=self.fleet, placement=self.placement, watchdog=watchdog,
                                                 module=seams.coordinator)
+        # api.parallel: auto admits one request at a time (the least any plan holds) until the first plan has
+        # chosen the slots (_slots_chosen): never more than the coordinator will hold.
         self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes, inventory.api.queue,
-                                      parallel=inventory.api.parallel)
+                                      parallel=self.placement.slots or 1)
         self.started_at = time.time()
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
@@ -202,6 +205,10 @@ class Controller:
                 loads = self.supervisor.loads
                 self.supervisor.restart(f"{name} is back; re-planning to use it")
                 await self.supervisor.reloaded(loads)
+
+    def _slots_chosen(self, slots: int) -> None:
+        """The first plan chose the slots (api.parallel: auto): let that many requests generate at once."""
+        self.requests.admission.resize(slots)
 
     def _failed_nodes(self) -> str:
         return "; ".join(f"{runtime.name} failed: {runtime.status.last_error}" for runtime in self.nodes.values()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from core.controller.events import EventLog
@@ -16,16 +16,17 @@ from core.engine.profile import ProfileCache, Profiles, Target, measure, model_f
 from core.errors import ProfileError
 from core.inventory import Inventory
 from core.model import ModelFacts
-from core.planner import NodeCapacity, Plan, assign_layers, choose, with_prediction
+from core.planner import NodeCapacity, Plan, assign_layers, choose_slots, slots_note, with_prediction
 from core.state import StateDir
 from core.version import Version
 
 
 class Placement:
-    """The plan of the running cluster, the profiles it was made from, and a flag to measure again."""
+    """The plan of the running cluster, the profiles it was made from, its slots, and a flag to measure again."""
 
     def __init__(self, inventory: Inventory, model: ModelFacts, *, model_path: Path, protocol: Version,
-                 state: StateDir, log: EventLog, cache: ProfileCache) -> None:
+                 state: StateDir, log: EventLog, cache: ProfileCache, slots_chosen: Callable[[int], None]) -> None:
+        """``slots_chosen``: told the slots that ``api.parallel: auto`` came to, once, at the first plan."""
         self.inventory = inventory
         self.model = model
         self.protocol = protocol
@@ -35,6 +36,11 @@ class Placement:
         self.plan: Plan | None = None
         self.profiles: Profiles | None = None
         self.remeasure = False  # set by `profile`: measure again before the next plan
+        # Requests decoded together: the inventory's number, or (auto) the first plan's choice, kept for the
+        # controller's life: requests were admitted to that many, and every later plan reserves KV cells for as
+        # many (one that no longer fits them fails as any plan that does not fit, rather than shrink them).
+        self.slots = inventory.api.parallel if isinstance(inventory.api.parallel, int) else None
+        self._slots_chosen = slots_chosen
         self._model_id = model_fingerprint(model_path)
 
     async def place(self, usable: list[NodeRuntime], every: Mapping[str, NodeRuntime]) -> Plan:
@@ -69,7 +75,8 @@ class Placement:
         layout = ", ".join(f"{name} {_layers(layers)}" for name, layers in zip(plan.nodes, plan.layers, strict=True))
         total = plan.predicted_total_s
         predicted = "" if total is None else f"; predicted {total * 1000:.1f} ms/token"
-        return f"{plan.strategy} split {list(plan.tensor_split)}: {layout}{predicted}"
+        slots = slots_note(plan.slots, self.inventory.api.parallel)
+        return f"{plan.strategy} split {list(plan.tensor_split)}: {layout}; {slots}{predicted}"
 
     @staticmethod
     def _capacities(usable: list[NodeRuntime]) -> list[NodeCapacity]:
@@ -113,8 +120,10 @@ class Placement:
             if profiles.nodes.get(name)}
         if strategy == "compute" and profiles is None:
             strategy = "memory"  # the measurement failed, and said so: llama.cpp's own split meanwhile
-        plan = choose(strategy, self.model, capacities, self.inventory.kv_tokens, objective=self.inventory.objective,
-                      speeds=profiles.speeds(self.model, names) if profiles else None)
+        plan = choose_slots(strategy, self.model, capacities, self.inventory.context,
+                            self.inventory.api.parallel if self.slots is None else self.slots,
+                            objective=self.inventory.objective,
+                            speeds=profiles.speeds(self.model, names) if profiles else None)
         if profiles is not None and all(name in measured for name in plan.used):
             plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)
         self.plan, self.profiles = plan, profiles
@@ -129,6 +138,9 @@ class Placement:
             if plan.predicted_s and layers:
                 every[name].status.predicted_ms = plan.predicted_s[index] * 1000
         self.state.plan.write_text(json.dumps(plan.to_dict(), indent=2))
+        if self.slots is None:
+            self.slots = plan.slots
+            self._slots_chosen(plan.slots)
         return plan
 
 

@@ -1,0 +1,114 @@
+"""The plan explained: what a strategy gives on the running cluster's measured memory and speed (`plan`), and a
+plain reason for what each node got."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.errors import PlanError
+from core.inventory import Inventory
+from core.model import ModelFacts
+from core.planner import NodeCapacity, NodeSpeed, Plan, choose_slots, depths_for, mib, with_prediction
+from core.status import ClusterStatus, NodeStatus
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One node in `plan`: what it would hold, what that costs per token, and why."""
+
+    name: str
+    layers: tuple[int, int] | None
+    share: float
+    needs: int
+    usable: int
+    why: str
+    predicted_ms: float | None = None  # this node's share of a token, when the nodes were measured
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain dict for JSON."""
+        data = dict(vars(self))
+        data["layers"] = list(self.layers) if self.layers else None
+        return data
+
+
+def snapshot_speeds(snapshot: ClusterStatus, nodes: list[NodeStatus], model: ModelFacts,
+                    usable: list[NodeCapacity]) -> tuple[list[NodeSpeed], float] | None:
+    """The measured cost model of ``nodes`` from a snapshot; None when they were not measured."""
+    speeds = []
+    for node, capacity in zip(nodes, usable, strict=True):
+        if node.fixed_ms is not None and node.layer_ms is not None:
+            speeds.append(NodeSpeed(node.fixed_ms / 1000, node.layer_ms / 1000, (node.output_ms or 0.0) / 1000))
+        elif depths_for(model, capacity.usable) is None:
+            speeds.append(NodeSpeed(math.inf, 0.0))  # cannot hold a layer, so it was not timed
+        else:
+            return None
+    return speeds, (snapshot.overhead_ms or 0.0) / 1000
+
+
+def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str,
+              objective: str | None = None) -> tuple[Plan, list[PlanRow]]:
+    """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part."""
+    caps = {node.name: node.memory for node in inventory.nodes}
+    usable = [node for node in snapshot.nodes if not node.left_out and node.mem_total]
+    capacities = [NodeCapacity(node.name, node.mem_free, caps.get(node.name)) for node in usable]
+    measured = snapshot_speeds(snapshot, usable, model, capacities)
+    if strategy == "compute" and measured is None:
+        raise PlanError("the nodes' speeds have not been measured (the cluster runs the "
+                        f"'{snapshot.strategy or inventory.strategy}' strategy)",
+                        "fix: run `ggml-cluster profile` to measure them")
+    # The running cluster keeps the slots its first plan chose (a re-plan reserves KV cells for as many); one
+    # that has no plan yet would choose them as `up` does.
+    parallel = snapshot.slots if snapshot.strategy else inventory.api.parallel
+    plan = choose_slots(strategy, model, capacities, inventory.context, parallel,
+                        speeds=measured[0] if measured else None, objective=objective or inventory.objective)
+    kv_tokens = inventory.context * plan.slots
+    if measured is not None:
+        plan = with_prediction(plan, measured[0], model, measured[1])
+    rows = []
+    for node in snapshot.nodes:
+        if node not in usable:
+            rows.append(PlanRow(node.name, None, 0.0, 0, 0, f"left out: {node.last_error or node.state}"))
+            continue
+        index = plan.nodes.index(node.name)
+        speed = measured[0][index] if measured else None
+        why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
+                   context=kv_tokens)
+        layers = plan.layers[index]
+        if layers is not None and layers[1] == model.n_layers - 1:
+            why += "; " + output_note(model, kv_tokens, speed)
+        predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
+        rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
+                            capacities[index].usable, why, predicted))
+    return plan, rows
+
+
+def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None) -> str:
+    """What the output layer costs the node that holds it: its weights, its logits buffer, its time per token."""
+    matrix = "the tied token embeddings" if model.tied_output else "output.weight"
+    logits = model.logits_buffer_bytes(context)
+    timed = f", {speed.output_s * 1000:.2f} ms/token" if speed is not None and math.isfinite(speed.output_s) else ""
+    return (f"holds the output layer ({matrix}): {mib(model.output_bytes)} and a {mib(logits)} logits buffer"
+            f"{timed}, and sends {model.logits_bytes / 1024:.0f} KiB of logits per token")
+
+
+def _why(plan: Plan, index: int, *, capacity: NodeCapacity, speed: NodeSpeed | None, model: ModelFacts,
+         strategy: str, context: int) -> str:
+    """A plain reason for what one node got."""
+    layers, share = plan.layers[index], plan.tensor_split[index]
+    count = 0 if layers is None else layers[1] - layers[0] + 1
+    if strategy != "compute":
+        rule = "its share of usable memory" if strategy == "memory" else "an equal share"
+        if layers is None:
+            return f"no layers: {rule} ({share:.1%}) is less than one of {model.n_layers + 1} slots"
+        return f"{count} of {model.n_layers} layers: {rule} ({share:.1%})"
+    assert speed is not None
+    cost = f"{speed.fixed_s * 1000:.2f} ms fixed + {speed.per_layer_s * 1000:.2f} ms/layer"
+    if layers is None:
+        if not math.isfinite(speed.fixed_s) or capacity.usable < min(model.layer_bytes) + model.kv_bytes(context):
+            return f"no layers: cannot hold one layer ({mib(capacity.usable)} usable)"
+        return f"no layers: it would add more time than it saves ({cost})"
+    room = capacity.usable - plan.bytes_needed[index]
+    if count < model.n_layers and room < max(model.layer_bytes) + model.kv_bytes(context):
+        return f"{count} of {model.n_layers} layers: as many as its memory holds ({cost})"
+    return f"{count} of {model.n_layers} layers: fastest placement ({cost})"
