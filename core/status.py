@@ -172,6 +172,7 @@ class ClusterStatus:
     queue_limit: int = 0               # api.queue: how many may wait; one more is refused (503, `run` exit 1)
     requests_deferred: int = 0         # requests that waited for a slot, since the controller started
     requests_rejected: int = 0         # requests refused because the queue was full
+    prompt_tokens_shared: int = 0      # prompt tokens copied from another request's KV cells instead of evaluated
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
     api_endpoint: str = ""             # host:port of the OpenAI-compatible API, when it serves
 
@@ -203,6 +204,7 @@ class ClusterStatus:
             "queue_limit": self.queue_limit,
             "requests_deferred": self.requests_deferred,
             "requests_rejected": self.requests_rejected,
+            "prompt_tokens_shared": self.prompt_tokens_shared,
             "metrics_endpoint": self.metrics_endpoint,
             "api_endpoint": self.api_endpoint,
         }
@@ -245,6 +247,7 @@ class ClusterStatus:
             queue_limit=data.get("queue_limit", 0),
             requests_deferred=data.get("requests_deferred", 0),
             requests_rejected=data.get("requests_rejected", 0),
+            prompt_tokens_shared=data.get("prompt_tokens_shared", 0),
             metrics_endpoint=data.get("metrics_endpoint", ""),
             api_endpoint=data.get("api_endpoint", ""),
         )

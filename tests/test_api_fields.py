@@ -36,7 +36,7 @@ EVENTS = [
     {"event": "token", "text": "Hel", "logprobs": [entry("Hel", -0.5, 0)]},
     {"event": "token", "text": "lo é", "logprobs": [entry("lo", -0.25, 3), entry(" é", -1.0, 5)]},
     {"event": "done", "text": "Hello é", "reason": "stop", "prompt_tokens": 4, "completion_tokens": 3,
-     "timings": {"prompt_s": 0.02, "decode_s": 0.5, "prompt_n": 4, "predicted_n": 3}},
+     "timings": {"prompt_s": 0.02, "decode_s": 0.5, "prompt_n": 4, "predicted_n": 3, "cache_n": 0}},
 ]
 
 
@@ -186,7 +186,7 @@ def test_chat_logprobs_usage_and_timings_whole(api: openai.OpenAI, service: Fake
     assert answer.usage is not None and (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (4, 3)
     assert answer.model_extra is not None
     assert answer.model_extra["timings"] == {
-        "prompt_n": 4, "prompt_ms": 20.0, "prompt_per_token_ms": 5.0, "prompt_per_second": 200.0,
+        "cache_n": 0, "prompt_n": 4, "prompt_ms": 20.0, "prompt_per_token_ms": 5.0, "prompt_per_second": 200.0,
         "predicted_n": 3, "predicted_ms": 500.0, "predicted_per_token_ms": pytest.approx(500 / 3),
         "predicted_per_second": 6.0}
     plain = api.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])

@@ -120,9 +120,13 @@ def test_a_worker_killed_while_four_streams_run_loses_and_repeats_no_token_in_an
 
 def test_n_choices_are_generated_together_in_slots_of_their_own(cluster4: Cluster, alone: list[str]) -> None:
     api = client(cluster4)
+    shared_before = cluster4.status()["prompt_tokens_shared"]
     greedy = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, n=4)
+    # The prompt is evaluated once: the other three choices start from a copy of its KV cells (all but its last
+    # token, which each evaluates for its logits), and still say what the prompt alone says.
     assert [choice.text for choice in greedy.choices] == [alone[0]] * 4
     assert greedy.usage is not None and greedy.usage.completion_tokens == 4 * TOKENS
+    assert cluster4.status()["prompt_tokens_shared"] - shared_before == 3 * (greedy.usage.prompt_tokens - 1)
     sampled = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=1.0, seed=7, n=3)
     again = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=1.0, seed=7, n=3)
     texts = [choice.text for choice in sampled.choices]

@@ -20,7 +20,15 @@ from core.engine.protocol import (
     PromptTokens,
     Token,
 )
-from core.engine.slots import RETRY_DELAYS_S, ComputeFailure, Entry, PersistentComputeFailure, Scheduler, Slot
+from core.engine.slots import (
+    RETRY_DELAYS_S,
+    SHARE_MIN_TOKENS,
+    ComputeFailure,
+    Entry,
+    PersistentComputeFailure,
+    Scheduler,
+    Slot,
+)
 
 CONTEXT = 4096
 
@@ -36,6 +44,7 @@ class FakeEngine:
         self.n_vocab = n_vocab
         self.batches: list[list[Entry]] = []
         self.forgotten: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int, int]] = []  # (source, target, length)
         self.statuses: dict[int, int] = {}  # decode index → llama_decode's status
         self.failing: set[int] = set()      # decode indexes a worker reports failed
         self.ends: set[int] = set()         # tokens that end generation
@@ -62,6 +71,9 @@ class FakeEngine:
 
     def forget(self, seq: int, start: int) -> None:
         self.forgotten.append((seq, start))
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        self.copies.append((source, target, length))
 
     def text(self, token: int) -> bytes:
         return b" w%d" % token
@@ -159,9 +171,9 @@ def test_each_decode_step_carries_the_next_token_of_every_request_in_flight() ->
     engine = FakeEngine()
     made, events, ids = scheduler(engine, parallel=2)
     run(made, slot(1, [1, 2, 3], 3), slot(2, [4, 5], 3), slot(3, [6], 2))
-    # 1's prompt, then 1's token with 2's prompt, then both decode together; 3 waits for a free slot (its
-    # KV cells are the freed sequence's), and its prompt rides with 2's last token.
-    assert shapes(engine) == [[(0, 3)], [(0, 1), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1)]]
+    # 1's and 2's prompts together (they came together), then both decode together; 3 waits for a free slot
+    # (its KV cells are the freed sequence's).
+    assert shapes(engine) == [[(0, 3), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1)], [(0, 1)]]
     assert tokens(events, 1) == [5, 5, 5] and tokens(events, 2) == [6, 6, 6] and tokens(events, 3) == [5, 5]
     assert ids.done == [1, 2, 3]
     assert (0, 0) in engine.forgotten and (1, 0) in engine.forgotten  # freed at once
@@ -178,6 +190,78 @@ def test_a_long_prompt_arriving_is_chunked_between_the_others_tokens() -> None:
         made.step()
     assert shapes(engine)[2:5] == [[(0, 1), (1, 7)], [(0, 1), (1, 7)], [(0, 1), (1, 6)]]
     assert len(tokens(events, 1)) == 10 and len(tokens(events, 2)) == 2
+
+
+def test_a_prompt_arriving_while_others_generate_rides_with_their_tokens() -> None:
+    engine = FakeEngine()
+    made, events, _ = scheduler(engine, parallel=2)
+    made.add(slot(1, [1, 2, 3], 3))
+    made.step()
+    made.add(slot(2, [4, 5], 2))
+    run(made)
+    assert shapes(engine) == [[(0, 3)], [(0, 1), (1, 2)], [(0, 1), (1, 1)]]
+    assert tokens(events, 1) == [5, 5, 5] and tokens(events, 2) == [6, 6]
+
+
+def test_the_choices_of_one_prompt_evaluate_it_once_and_copy_its_cells() -> None:
+    engine = FakeEngine()
+    made, events, _ = scheduler(engine, parallel=3)
+    prompt = list(range(100, 110))
+    run(made, slot(1, prompt, 2), slot(2, prompt, 2), slot(3, prompt, 2))
+    # The prompt once, for the first; the others wait for it, copy all of it but the last token and evaluate that
+    # one for their own logits, beside the first's next token.
+    assert shapes(engine)[:2] == [[(0, 10)], [(0, 1), (1, 1), (2, 1)]]
+    assert engine.copies == [(0, 1, 9), (0, 2, 9)]
+    assert [(entry.seq, entry.token, entry.pos) for entry in engine.batches[1][1:]] == [(1, 109, 9), (2, 109, 9)]
+    done = {event.id: event for event in events if isinstance(event, Done)}
+    assert [done[rid].shared_tokens for rid in (1, 2, 3)] == [0, 9, 9]
+    assert [done[rid].prompt_tokens for rid in (1, 2, 3)] == [10, 10, 10]
+    assert tokens(events, 2) == [6, 6] and tokens(events, 3) == [7, 7]
+
+
+def test_a_long_shared_prefix_is_copied_and_only_the_rest_evaluated() -> None:
+    engine = FakeEngine()
+    made, _, _ = scheduler(engine, parallel=2)
+    system = list(range(100, 100 + SHARE_MIN_TOKENS + 8))
+    made.add(slot(1, [*system, 1, 2], 4))
+    made.step()
+    made.add(slot(2, [*system, 3, 4, 5], 2))
+    run(made)
+    assert engine.copies == [(0, 1, len(system))]
+    assert [(entry.seq, entry.token) for entry in engine.batches[1]] == [(0, 5), (1, 3), (1, 4), (1, 5)]
+    assert [entry.pos for entry in engine.batches[1][1:]] == [len(system), len(system) + 1, len(system) + 2]
+
+
+def test_a_short_shared_prefix_is_evaluated_again_beside_the_other_prompt() -> None:
+    engine = FakeEngine()
+    made, _, _ = scheduler(engine, parallel=2)
+    run(made, slot(1, [1, 2, 3, 4, 7], 2), slot(2, [1, 2, 3, 4, 8, 9], 2))
+    assert engine.copies == [] and shapes(engine)[0] == [(0, 5), (1, 6)]
+
+
+def test_a_prompt_waiting_to_share_evaluates_its_own_when_the_other_is_cancelled() -> None:
+    engine = FakeEngine(n_batch=8)
+    made, events, ids = scheduler(engine, parallel=2)
+    prompt = list(range(100, 120))
+    made.add(slot(1, prompt, 2))
+    made.add(slot(2, prompt, 2))
+    made.step()  # 1's first chunk; 2 waits to copy it
+    ids.cancel.add(1)
+    run(made)
+    assert engine.copies == [] and tokens(events, 2) == [6, 6]
+    assert [(entry.seq, entry.pos) for entry in engine.batches[1]] == [(1, pos) for pos in range(8)]
+
+
+def test_a_failed_step_after_a_copy_keeps_the_copied_cells() -> None:
+    engine = FakeEngine()
+    engine.failing = {1}  # the step that evaluates the copies' last prompt token
+    made, events, _ = scheduler(engine, parallel=2)
+    prompt = list(range(100, 110))
+    run(made, slot(1, prompt, 2), slot(2, prompt, 2))
+    assert engine.copies == [(0, 1, 9)]
+    # Admitted, then the failed step's cells only (the copy's stay), then freed at the end.
+    assert engine.forgotten == [(0, 0), (1, 0), (0, 10), (1, 9), (0, 0), (1, 0)]
+    assert tokens(events, 2) == [6, 6]
 
 
 def test_a_cancel_frees_the_slot_and_its_cells_for_the_next_request() -> None:

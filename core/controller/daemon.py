@@ -130,6 +130,7 @@ class Controller:
             request_decode_tokens_per_s=runner.request_rates(), slots=admission.slots,
             slots_busy=admission.busy, queue_length=admission.queued, queue_limit=admission.queue,
             requests_deferred=admission.deferred, requests_rejected=admission.rejected,
+            prompt_tokens_shared=runner.prompt_tokens_shared,
             metrics_endpoint=self.metrics.address if self.metrics else "",
             api_endpoint=self.api.address if self.api else "",
             strategy=plan.strategy if plan else "",

@@ -89,6 +89,7 @@ class RequestRunner:
         self.failed_nodes = failed_nodes
         self.lock = Turns()  # requests together; a re-plan between requests alone
         self.served = 0
+        self.prompt_tokens_shared = 0  # prompt tokens copied from another sequence's KV cells, not evaluated
         self.waiting = 0            # in flight: generating, or queued behind those that are
         self.admission = Admission(parallel, queue, log.notify)
         self.recoveries = 0
@@ -235,7 +236,8 @@ class RequestRunner:
     async def _finish(self, progress: RequestProgress, answer: Done, send: Send) -> None:
         """The request is done: the last text (the decoder's tail, what stop strings held back), then `done`."""
         self.served += 1
-        self.rates = {"prompt": _rate(answer.prompt_tokens, answer.prompt_s),
+        self.prompt_tokens_shared += answer.shared_tokens
+        self.rates = {"prompt": _rate(answer.prompt_tokens - answer.shared_tokens, answer.prompt_s),
                       "decode": _rate(answer.completion_tokens, answer.decode_s)}
         await _forward(progress, answer.text, None, send)
         text, logprobs = progress.text.finish()
@@ -249,7 +251,8 @@ class RequestRunner:
             "timings": {"total_s": time.perf_counter() - progress.started, "first_token_s": progress.first_token_s,
                         "prompt_s": answer.prompt_s, "decode_s": answer.decode_s,
                         "decode_tokens_per_s": _rate(answer.completion_tokens, answer.decode_s),
-                        "prompt_n": answer.prompt_tokens + answer.replayed_tokens,
+                        "prompt_n": answer.prompt_tokens + answer.replayed_tokens - answer.shared_tokens,
+                        "cache_n": answer.shared_tokens,
                         "predicted_n": answer.completion_tokens},
             "recoveries": progress.recoveries})
 

@@ -380,7 +380,7 @@ async def _together(service: Service, jobs: list[GenerateRequest], send: Callabl
 def _timings(done: dict[str, Any]) -> dict[str, Any]:
     """llama-server's ``timings``: the prompt (after a recovery, with the replay) and the generation that followed."""
     timings = done.get("timings") or {}
-    shown: dict[str, Any] = {}
+    shown: dict[str, Any] = {"cache_n": int(timings.get("cache_n", 0))}  # prompt tokens copied, not evaluated
     for name, seconds in (("prompt", "prompt_s"), ("predicted", "decode_s")):
         count, ms = int(timings.get(f"{name}_n", 0)), 1000.0 * float(timings.get(seconds) or 0.0)
         shown |= {f"{name}_n": count, f"{name}_ms": ms, f"{name}_per_token_ms": ms / count if count else None,

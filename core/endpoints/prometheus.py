@@ -48,6 +48,8 @@ def families(status: ClusterStatus) -> list[Metric]:
               status.queue_limit),
         counter("requests_deferred", "Requests that waited for a slot.", status.requests_deferred),
         counter("requests_rejected", "Requests refused because the queue was full (503).", status.requests_rejected),
+        counter("prompt_tokens_shared", "Prompt tokens copied from another request's KV cells instead of evaluated.",
+                status.prompt_tokens_shared),
         gauge("decode_tokens_per_second", "Decode rate of the running request, else of the last one.",
               status.decode_tokens_per_s),
         gauge("aggregate_decode_tokens_per_second", "Decode rate of every request generating now, together.",

@@ -148,7 +148,8 @@ def _sequences(parallel: int) -> Iterator[None]:
 
     llama-cpp-python's Llama has no n_seq_max argument: its constructor starts from
     llama_context_default_params(), so for its duration that returns defaults with the slots' sequences.
-    Separate streams (not unified): the slots share no prefix, and each attends over its own cells only.
+    Separate streams (not unified): each slot attends over its own cells only and is sure of its whole context; a
+    prefix two prompts share is copied from one stream to the other (LlamaEngine.copy).
     """
     from llama_cpp import llama_cpp as low
 
@@ -292,6 +293,15 @@ class LlamaEngine:
     def forget(self, seq: int, start: int) -> None:
         """Drop a sequence's KV cells from ``start`` on."""
         self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Give ``target`` the cells of ``source``'s first ``length`` positions.
+
+        Each sequence has a KV stream of its own, and llama.cpp copies across streams only whole: the copy (worker-
+        side, RPC COPY_TENSOR per layer, at the next llama_decode) takes the stream, then the rest is dropped.
+        """
+        self._lib.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+        self._lib.llama_memory_seq_rm(self._memory, target, length, -1)
 
     def text(self, token: int) -> bytes:
         """A token's bytes."""

@@ -146,6 +146,7 @@ class Done:
     completion_tokens: int
     prompt_s: float
     decode_s: float
+    shared_tokens: int = 0  # of the prompt, copied from another sequence's KV cells instead of evaluated
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,14 @@ costs little more than a step with one. Each request holds a slot (its own KV se
 end; each step is one llama_decode of a batch that holds, in this order:
 - the next token of every slot that is generating (or replaying after a restart, one token at a time, as first
   decoded), and
-- as much of one waiting prompt as fits (at most ``Engine.n_batch`` tokens in all), so a long prompt is
-  evaluated in chunks between the others' tokens instead of freezing their streams.
-A finished or cancelled request frees its slot and its KV cells at once; requests beyond the slots wait here.
+- as much of the waiting prompts as fits, oldest first (at most ``Engine.n_batch`` tokens in all), so a long
+  prompt is evaluated in chunks between the others' tokens instead of freezing their streams, and requests that
+  arrive together start together.
+A prompt that begins as another sequence's does (the choices of one request with ``n`` > 1, the same system
+prompt) starts from a copy of that sequence's KV cells for the part they share (at least SHARE_MIN_TOKENS, or
+all of it but the last token, which is evaluated for its logits) instead of evaluating it again; one whose
+shared part is still being evaluated for another waits for it. A finished or cancelled request frees its slot and
+its KV cells at once; requests beyond the slots wait here.
 With one slot this is exactly the one-request-at-a-time decode: the prompt in batches of n_batch, then one token
 per step, which keeps a replay after a restart bit-identical. With several, a sequence's numbers may differ from
 a run alone (the CPU's matrix kernels take another path for a batch of several rows than for one), so a
@@ -46,6 +51,9 @@ PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
 # A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
 # fault, such as a device briefly out of memory, may need a moment); then the controller's restart path takes over.
 RETRY_DELAYS_S = (0.0, 0.01, 0.1)
+# A prompt prefix shorter than this (unless it is the whole prompt) is evaluated again rather than copied: a copy
+# moves the donor's whole KV stream, worker-side, which costs more than evaluating a few tokens.
+SHARE_MIN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,10 @@ class Engine(Protocol):
         """Drop sequence ``seq``'s KV cells from position ``start`` on."""
         ...
 
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Make sequence ``target``'s KV cells those of ``source``'s first ``length`` positions."""
+        ...
+
     def text(self, token: int) -> bytes:
         """A token's bytes."""
         ...
@@ -137,6 +149,7 @@ class Slot:
     started: float = field(default_factory=time.perf_counter)
     n_past: int = 0            # tokens in its KV cells
     evaluated: int = 0         # of the prompt
+    shared: int = 0            # of the prompt, copied from another sequence's cells instead of evaluated
     done_replaying: int = 0    # of request.replay
     pending: int | None = None  # the token it generated last, to evaluate next
     generated: int = 0
@@ -236,15 +249,37 @@ class Scheduler:
             elif slot.pending is not None:
                 planned.append(_Planned(slot, len(entries), "decode"))
                 entries.append(Entry(slot.pending, slot.n_past, slot.seq, True))
-        room = self.engine.n_batch - len(entries)
         prompting = sorted((slot for slot in active if slot.prompting), key=lambda slot: slot.started)
-        if prompting and room > 0:
-            slot = prompting[0]
+        for index, slot in enumerate(prompting):
+            room = self.engine.n_batch - len(entries)
+            if room <= 0:
+                break
+            if slot.evaluated == 0 and self._share(slot, prompting[:index]):
+                continue  # an older prompt is evaluating what this one would copy
             chunk = slot.prompt[slot.evaluated:slot.evaluated + room]
             for offset, token in enumerate(chunk):
                 entries.append(Entry(token, slot.n_past + offset, slot.seq, offset == len(chunk) - 1))
             planned.append(_Planned(slot, len(entries) - 1, "prompt", len(chunk)))
         return entries, planned
+
+    def _share(self, slot: Slot, older: list[Slot]) -> bool:
+        """Start ``slot``'s prompt from a copy of the longest prefix of it that another sequence's cells hold, when
+        that is worth a copy. True: an older prompt still being evaluated will hold more of it, so wait for that."""
+        wanted = slot.prompt[:-1]  # its last token is evaluated in any case: its logits give the first token
+        held, donor = 0, None
+        for other in self.slots:
+            if other is not None and other is not slot:
+                common = common_prefix(wanted, other.prompt[:other.evaluated])
+                if common > held:
+                    held, donor = common, other
+        for other in older:
+            coming = common_prefix(wanted, other.prompt)
+            if coming > held and _worth_sharing(coming, len(wanted)):
+                return True
+        if donor is not None and _worth_sharing(held, len(wanted)):
+            self.engine.copy(donor.seq, slot.seq, held)
+            slot.evaluated = slot.n_past = slot.shared = held
+        return False
 
     def _decode(self, entries: list[Entry], planned: list[_Planned]) -> None:
         """Decode one batch; a batch a worker reports failed is decoded again (its cells dropped first)."""
@@ -326,10 +361,24 @@ class Scheduler:
         prompt_done = slot.prompt_done or finished
         self.emit(Done(slot.rid, reason, slot.decoder.decode(b"", final=True), prompt_tokens=len(slot.prompt),
                        replayed_tokens=len(slot.request.replay), completion_tokens=slot.generated,
-                       prompt_s=prompt_done - slot.started, decode_s=finished - prompt_done))
+                       prompt_s=prompt_done - slot.started, decode_s=finished - prompt_done,
+                       shared_tokens=slot.shared))
         self._release(slot)
 
     def _release(self, slot: Slot) -> None:
         self.engine.forget(slot.seq, 0)
         self.slots[slot.seq] = None
         self._closed(slot.rid)
+
+
+def common_prefix(first: list[int], second: list[int]) -> int:
+    """How many tokens the two lists share from the start."""
+    for index, (one, other) in enumerate(zip(first, second, strict=False)):
+        if one != other:
+            return index
+    return min(len(first), len(second))
+
+
+def _worth_sharing(common: int, wanted: int) -> bool:
+    """Whether a prefix of ``common`` tokens (of the ``wanted`` a prompt could share) is worth a copy."""
+    return common > 0 and (common >= SHARE_MIN_TOKENS or common == wanted)
