@@ -23,7 +23,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -363,10 +363,17 @@ def _read_requests(generator: Generator, requests: queue.Queue[Request | None], 
 _EMIT = threading.Lock()  # the stdin reader thread may answer too
 
 
-def emit(out: IO[str], message: Answer) -> None:
-    """Write one protocol line and flush it."""
+def emit(out: IO[str], message: Answer, *, flush: bool = True) -> None:
+    """Write one protocol line, and flush it unless the caller flushes later (``flush``)."""
     with _EMIT:
         out.write(encode(message).decode())
+        if flush:
+            out.flush()
+
+
+def flush(out: IO[str]) -> None:
+    """Send what was written without a flush."""
+    with _EMIT:
         out.flush()
 
 
@@ -387,25 +394,34 @@ def main(argv: list[str] | None = None) -> int:
     emit(out, Ready(time.perf_counter() - started, generator.context, generator.n_vocab))
     requests: queue.Queue[Request | None] = queue.Queue()
     threading.Thread(target=_read_requests, args=(generator, requests, out), daemon=True).start()
-    scheduler = Scheduler(LlamaEngine(generator), config.parallel, lambda message: emit(out, message),
+    # A step's answers (a token of each sequence) leave in one write, flushed by serve after the step: one wakeup
+    # of the controller per step, not per sequence.
+    scheduler = Scheduler(LlamaEngine(generator), config.parallel, lambda message: emit(out, message, flush=False),
                           generator.requests)
     try:
-        serve(generator, scheduler, requests)
+        serve(generator, scheduler, requests, lambda: flush(out))
     except PersistentComputeFailure:
         return EXIT_COMPUTE_FAILED  # the controller restarts the worker and this process, then replays
+    finally:
+        flush(out)
     return 0
 
 
-def serve(generator: Generator, scheduler: Scheduler, requests: queue.Queue[Request | None]) -> None:
-    """Admit requests as they come and step the slots until a Shutdown (or stdin's end) with nothing in flight.
+def serve(generator: Generator, scheduler: Scheduler, requests: queue.Queue[Request | None],
+          send: Callable[[], None]) -> None:
+    """Admit requests as they come and step the slots until a Shutdown (or stdin's end) with nothing in flight;
+    ``send`` flushes the answers written, around each step and before waiting for a request.
 
     Requests are read between steps, so one that arrives while others generate joins them at the next step.
     """
     stopping = False
     while not stopping or scheduler.busy:
         while not stopping:
+            busy = scheduler.busy
+            if not busy:
+                send()  # nothing runs: an answer written must not wait for the next request
             try:
-                request = requests.get(block=not scheduler.busy)
+                request = requests.get(block=not busy)
             except queue.Empty:
                 break
             if request is None or isinstance(request, Shutdown):
@@ -417,7 +433,9 @@ def serve(generator: Generator, scheduler: Scheduler, requests: queue.Queue[Requ
                     generator.requests.closed(request.id)
                 else:
                     scheduler.add(prepared)
+        send()  # the new requests' prompt tokens, before a step that may take long (an empty buffer: no write)
         scheduler.step()
+        send()
 
 
 if __name__ == "__main__":
