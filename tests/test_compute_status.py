@@ -258,6 +258,7 @@ def test_a_failure_that_persists_takes_the_restart_path_and_the_text_is_unchange
     assert status["coordinator"]["pid"] != coordinator and status["recoveries"] >= 1
     failing = node(status, "n2")
     assert failing["restarts"] >= 1 and failing["compute_failures"] >= len(RETRY_DELAYS_S) + 1
+    assert failing["last_status"] == "killed by the controller: a persistent compute failure"
     assert "persistent compute failure on n2" in result.stderr
 
 

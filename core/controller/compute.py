@@ -78,7 +78,7 @@ class ComputeFaults:
         if runtime is None:
             return
         try:
-            await self.fleet.health.kill(runtime)
+            await self.fleet.health.kill(runtime, "a persistent compute failure")
         except ClusterError as exc:  # the node is unreachable: its reconnect adopts or restarts the worker
             self.log.record("worker-restart", f"could not kill the worker after a persistent compute failure: {exc}",
                             runtime.name)

@@ -253,6 +253,8 @@ class NodeWatcher:
             status.pid = None
             text = await worker.read_log(runtime.remote, runtime.spec, event.log_offset or 0) if runtime.spec else ""
             cause = worker.classify_exit(event.code if event.code is not None else -1, text)
+            if runtime.killed_for is not None:
+                cause, runtime.killed_for = f"killed by the controller: {runtime.killed_for}", None
             status.last_status = cause
             status.last_error = cause
             self.log.record("worker-exit", f"worker exited after {event.ran_s}s: {cause}", runtime.name)

@@ -45,6 +45,7 @@ class NodeRuntime:
     outcomes: int = 0                         # tries that ended: ready, failed, or a reconnect that did not work
     offset: int = 0                           # bytes of the worker's events.jsonl handled so far
     down_since: float | None = None           # when the connection to it was lost (monotonic)
+    killed_for: str | None = None             # why the controller killed its worker, until that exit is seen
 
     @property
     def name(self) -> str:
@@ -147,13 +148,15 @@ class WorkerHealth:
             runtime.status.state = NodeState.RESTARTING
             self.log.record("worker-hung", f"worker does not answer ({exc}); killing it for its supervisor to "
                             "restart", runtime.name)
-            await self.kill(runtime)
+            await self.kill(runtime, f"it did not answer ({exc})")
             return False
 
     @staticmethod
-    async def kill(runtime: NodeRuntime) -> None:
-        """Kill the node's worker (SIGKILL) for its supervisor to restart."""
+    async def kill(runtime: NodeRuntime, why: str) -> None:
+        """Kill the node's worker (SIGKILL) for its supervisor to restart; ``why`` becomes the exit's cause (not
+        "killed by SIGKILL", which would read as if something else had killed it)."""
         if runtime.spec is not None:
+            runtime.killed_for = why
             await worker.kill(runtime.remote, runtime.spec)
 
     @staticmethod

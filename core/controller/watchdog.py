@@ -86,7 +86,7 @@ class Watchdog:
             f"; worker {names} is stopped" if stuck else "; nothing moved (no bytes, no CPU), no stopped worker found")
         self.log.record("watchdog", f"{cause}; killing {'it' if stuck else 'the coordinator'} and recovering")
         for runtime in stuck:
-            await self.fleet.health.kill(runtime)
+            await self.fleet.health.kill(runtime, f"stopped, with no progress for {self.bound_s}s")
         if self._kill_coordinator is not None:
             await self._kill_coordinator()
         return cause
