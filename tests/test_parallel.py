@@ -156,3 +156,24 @@ def test_a_client_that_disconnects_frees_its_slot_and_the_others_finish_whole(cl
         time.sleep(0.1)
     again = client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
     assert again.choices[0].text == alone[0]
+
+
+def test_a_request_that_begins_as_one_in_flight_copies_that_part_and_says_what_it_says_alone(
+        cluster4: Cluster) -> None:
+    api = client(cluster4)
+    system = "You are the cluster's helpful assistant, and you answer in one short line. " * 3
+    first, second = system + "Who are you?", system + "What is a node?"
+    lengths = (400, TOKENS)  # the first runs long enough to be in flight when the second comes
+    alone = [api.completions.create(model="any", prompt=prompt, max_tokens=length, temperature=0).choices[0].text
+             for prompt, length in zip((first, second), lengths, strict=True)]
+    shared_before = cluster4.status()["prompt_tokens_shared"]
+    stream = api.completions.create(model="any", prompt=first, max_tokens=lengths[0], temperature=0, stream=True)
+    pieces = [next(iter(stream)).choices[0].text]  # its prompt is in its KV cells now
+    answer = api.completions.create(model="any", prompt=second, max_tokens=TOKENS, temperature=0)
+    pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert ["".join(pieces), answer.choices[0].text] == alone
+    assert answer.model_extra is not None and answer.model_extra["timings"]["cache_n"] >= 32
+    shared = cluster4.status()["prompt_tokens_shared"] - shared_before
+    assert shared == answer.model_extra["timings"]["cache_n"]
+    assert answer.usage is not None and answer.model_extra["timings"]["prompt_n"] == (
+        answer.usage.prompt_tokens - shared)
