@@ -117,6 +117,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None      # alternatives to report per token (0: the chosen token's alone); None: none
     json_schema: str | None = None   # the JSON schema (JSON text) the output must follow (response_format)
+    ignore_eos: bool = False         # llama-server's: the end-of-text tokens are never chosen (until max_tokens)
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], context: int) -> GenerateRequest:
@@ -150,6 +151,13 @@ class GenerateRequest:
             raise PromptError(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}", field="temperature")
         if seed is not None and not _whole(seed):
             raise PromptError("'seed' must be a whole number", field="seed")
+        ignore_eos, json_schema = data.get("ignore_eos"), _json_schema(data.get("response_format"))
+        ignore_eos = False if ignore_eos is None else ignore_eos  # not sent (null is not sent, as elsewhere)
+        if not isinstance(ignore_eos, bool):
+            raise PromptError("'ignore_eos' must be true or false", field="ignore_eos")
+        if ignore_eos and json_schema is not None:
+            raise PromptError("'ignore_eos' cannot go with a 'response_format': its grammar ends the output with "
+                              "the end-of-text token", field="ignore_eos")
         return cls(prompt=prompt, messages=chat, max_tokens=int(max_tokens), temperature=float(temperature),
                    seed=seed, top_k=_or(_count(data, "top_k"), DEFAULT_TOP_K),
                    top_p=_ranged(data, "top_p", DEFAULT_TOP_P, 0.0, 1.0),
@@ -159,14 +167,14 @@ class GenerateRequest:
                    presence_penalty=_ranged(data, "presence_penalty", 0.0, -2.0, 2.0),
                    frequency_penalty=_ranged(data, "frequency_penalty", 0.0, -2.0, 2.0),
                    stop=_stops(data.get("stop")), logprobs=_count(data, "logprobs", MAX_LOGPROBS),
-                   json_schema=_json_schema(data.get("response_format")))
+                   json_schema=json_schema, ignore_eos=ignore_eos)
 
     def sampling(self) -> dict[str, Any]:
         """The fields the coordinator samples with (core.engine.protocol.Generate's of the same names)."""
         return {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty,
                 "repeat_last_n": self.repeat_last_n, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "logprobs": self.logprobs,
-                "json_schema": self.json_schema}
+                "json_schema": self.json_schema, "ignore_eos": self.ignore_eos}
 
     def to_dict(self) -> dict[str, Any]:
         """The request as the control socket carries it (``parse`` reads it back)."""

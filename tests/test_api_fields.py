@@ -156,8 +156,9 @@ def test_every_field_reaches_the_request(api: openai.OpenAI, service: FakeServic
         messages=(("user", "hi"),), max_tokens=9, temperature=0.5, seed=3, top_k=5, top_p=0.8, min_p=0.1,
         repeat_penalty=1.2, repeat_last_n=16, presence_penalty=0.5, frequency_penalty=-0.5, stop=("\n", "END"),
         logprobs=2, json_schema=json.dumps(schema))
-    api.completions.create(model="any", prompt=PROMPT, stop="x", logprobs=0)
-    assert (service.requests[-1].stop, service.requests[-1].logprobs) == (("x",), 0)
+    api.completions.create(model="any", prompt=PROMPT, stop="x", logprobs=0, extra_body={"ignore_eos": True})
+    assert (service.requests[-1].stop, service.requests[-1].logprobs, service.requests[-1].ignore_eos) == (
+        ("x",), 0, True)
     api.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], logprobs=True,
                                 response_format={"type": "json_object"})
     assert service.requests[-1].logprobs == 0 and json.loads(service.requests[-1].json_schema or "") == {

@@ -15,7 +15,6 @@ from core.engine.coordinator import (
     NO_CHAT_TEMPLATE,
     CoordinatorConfig,
     Generator,
-    RequestIds,
     chat_format,
     load_chat,
 )
@@ -40,7 +39,7 @@ from core.engine.protocol import (
     encode,
     status_name,
 )
-from core.engine.slots import Scheduler, Slot
+from core.engine.slots import RequestIds, Scheduler, Slot
 from core.inventory import CHAT_FORMATS
 from core.model import DEMO_CHAT_TEMPLATE, write_demo_model
 from tests.test_slots import FakeEngine, Ids
@@ -71,6 +70,9 @@ class FakeLib:
 
     def llama_model_get_vocab(self, model: object) -> None:
         return None
+
+    def llama_vocab_is_eog(self, vocab: object, token: int) -> bool:
+        return token == 5  # the fake model's favourite
 
 
 def prepare(**request: Any) -> Slot | Failed:
@@ -120,6 +122,20 @@ def test_the_sampling_fields_reach_the_sampler_and_the_penalties_see_the_prompt(
     assert [event.token for event in events if isinstance(event, Token)] == [0, 2]
     events = run(prompt="a", max_tokens=2, presence_penalty=2.0)
     assert [event.token for event in events if isinstance(event, Token)] == [5, 0]
+
+
+def test_ignore_eos_never_chooses_an_end_token_and_runs_to_max_tokens() -> None:
+    engine = FakeEngine()
+    engine.ends = {5}
+    ended = run(engine, prompt="hi", max_tokens=3)
+    assert isinstance(ended[-1], Done) and (ended[-1].reason, ended[-1].completion_tokens) == ("stop", 0)
+    engine = FakeEngine()
+    engine.ends = {5}
+    events = run(engine, prompt="hi", max_tokens=3, ignore_eos=True, logprobs=1)
+    tokens = [event for event in events if isinstance(event, Token)]
+    assert [token.token for token in tokens] == [0, 0, 0]  # the likeliest after the end token, each time
+    assert isinstance(events[-1], Done) and events[-1].reason == "length"
+    assert tokens[0].logprobs is not None and tokens[0].logprobs["logprob"] == pytest.approx(-np.log(15))
 
 
 def test_a_schema_that_cannot_be_a_grammar_fails_the_request_naming_response_format() -> None:

@@ -30,6 +30,7 @@ from core.service import GenerateRequest
     ({"prompt": "a", "response_format": {"type": "yaml"}}, "response_format"),
     ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+    ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": "a", "ignore_eos": 1}, "ignore_eos"),
 ])
 def test_requests_of_the_wrong_shape_are_refused_by_name(request_: dict, field: str) -> None:
     with pytest.raises(PromptError, match="must be") as caught:
@@ -52,6 +53,15 @@ def test_a_good_request_is_normalised_and_travels_unchanged() -> None:
     chat = GenerateRequest.parse({"messages": [{"role": "user", "content": "hi"}, {"role": "system"}]}, context=64)
     assert chat.messages == (("user", "hi"), ("system", ""))
     assert GenerateRequest.parse(chat.to_dict(), context=64) == chat
+
+
+def test_ignore_eos_travels_unchanged_and_is_refused_with_a_grammar() -> None:
+    request = GenerateRequest.parse({"prompt": "a", "ignore_eos": True}, context=64)
+    assert request.ignore_eos and GenerateRequest.parse(request.to_dict(), context=64) == request
+    assert not GenerateRequest.parse({"prompt": "a"}, context=64).ignore_eos
+    with pytest.raises(PromptError, match="cannot go with a 'response_format'") as caught:
+        GenerateRequest.parse({"prompt": "a", "ignore_eos": True, "response_format": {"type": "json_object"}}, 64)
+    assert caught.value.field == "ignore_eos"
 
 
 def test_left_out_sampling_fields_take_llama_servers_defaults() -> None:

@@ -65,6 +65,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
+    ignore_eos: bool | None = None  # llama-server's, which benchmark clients send
     # Metadata that changes nothing in the answer.
     user: str | None = None
     store: bool | None = None
@@ -226,7 +227,7 @@ class _Api:
         # Fields left out (None) take GenerateRequest's defaults; it checks the ranges and names what is wrong.
         return {"max_tokens": limit, "logprobs": logprobs, **parsed.model_dump(include={
             "temperature", "seed", "stop", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
-            "presence_penalty", "frequency_penalty", "response_format"})}
+            "presence_penalty", "frequency_penalty", "response_format", "ignore_eos"})}
 
     async def _serve(self, request: web.Request, parsed: _Request, fields: dict[str, Any],
                      shape: _Shape) -> web.StreamResponse:

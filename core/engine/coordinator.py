@@ -46,7 +46,15 @@ from core.engine.protocol import (
 )
 from core.engine.rpc_client import ComputeStatus, register_rpc_servers
 from core.engine.sampling import GrammarError, logprobs, sampler_for
-from core.engine.slots import ComputeFailure, Entry, PersistentComputeFailure, Scheduler, Slot
+from core.engine.slots import (
+    Choose,
+    ComputeFailure,
+    Entry,
+    PersistentComputeFailure,
+    RequestIds,
+    Scheduler,
+    Slot,
+)
 
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
 # client answers "supported" for every op, so on a cluster auto means on (llama-bench, llama-server and
@@ -192,6 +200,7 @@ class Generator:
         self.context = context or int(llm.n_ctx())
         self.vocab = lib.llama_model_get_vocab(llm.model)
         self.n_vocab = llm.n_vocab()
+        self._ends: np.ndarray | None = None  # the end-of-text tokens, found when a request first ignores them
 
     @classmethod
     def load(cls, config: CoordinatorConfig, compute: ComputeStatus | None = None) -> Generator:
@@ -241,7 +250,21 @@ class Generator:
 
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
-                    choose=sampler.choose, accept=sampler.accept, replayed=sampler.replayed, explain=explain)
+                    choose=self._without_ends(sampler.choose) if request.ignore_eos else sampler.choose,
+                    accept=sampler.accept, replayed=sampler.replayed, explain=explain)
+
+    def _without_ends(self, choose: Choose) -> Choose:
+        """``choose`` that never picks an end-of-text token (llama-server's ignore_eos: their logits at -inf)."""
+        if self._ends is None:  # once per model: one call per vocabulary entry
+            self._ends = np.array([token for token in range(self.n_vocab)
+                                   if self.lib.llama_vocab_is_eog(self.vocab, token)], dtype=np.int64)
+        ends = self._ends
+
+        def chosen(logits: np.ndarray) -> int:
+            logits[ends] = -np.inf  # in llama.cpp's buffer of this step: logprobs see them at -inf, as chosen
+            return choose(logits)
+
+        return chosen
 
     def logprobs(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
         """The chosen token's log-probability and the ``top_n`` likeliest tokens', with their texts."""
@@ -310,37 +333,6 @@ class LlamaEngine:
     def is_end(self, token: int) -> bool:
         """End of text or of a turn."""
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
-
-
-class RequestIds:
-    """Which requests are queued or running, and which of those were cancelled (shared by two threads)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: set[object] = set()
-        self._cancelled: set[object] = set()
-
-    def opened(self, rid: int) -> None:
-        """A request was queued."""
-        with self._lock:
-            self._open.add(rid)
-
-    def cancel(self, rid: int) -> None:
-        """Cancel a queued or running request; any other id is ignored (its request is done)."""
-        with self._lock:
-            if rid in self._open:
-                self._cancelled.add(rid)
-
-    def cancelled(self, rid: int) -> bool:
-        """Whether ``rid`` was cancelled."""
-        with self._lock:
-            return rid in self._cancelled
-
-    def closed(self, rid: int) -> None:
-        """A request is done: forget it."""
-        with self._lock:
-            self._open.discard(rid)
-            self._cancelled.discard(rid)
 
 
 def _read_requests(generator: Generator, requests: queue.Queue[Request | None], out: IO[str]) -> None:

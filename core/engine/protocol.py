@@ -60,6 +60,7 @@ class Generate:
     frequency_penalty: float = 0.0
     logprobs: int | None = None     # alternatives per token in each Token's logprobs; None: no logprobs
     json_schema: str | None = None  # JSON text of the schema the output must follow (llama.cpp's grammar sampler)
+    ignore_eos: bool = False        # the end-of-text tokens are never chosen (llama-server's field)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ dropped for every sequence in it and the same batch is decoded again.
 from __future__ import annotations
 
 import codecs
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -124,6 +125,38 @@ class Requests(Protocol):
     def closed(self, rid: int) -> None:
         """Request ``rid`` is done, either way."""
         ...
+
+
+class RequestIds:
+    """Which requests are queued or running, and which of those were cancelled (shared by two threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[object] = set()
+        self._cancelled: set[object] = set()
+
+    def opened(self, rid: int) -> None:
+        """A request was queued."""
+        with self._lock:
+            self._open.add(rid)
+
+    def cancel(self, rid: int) -> None:
+        """Cancel a queued or running request; any other id is ignored (its request is done)."""
+        with self._lock:
+            if rid in self._open:
+                self._cancelled.add(rid)
+
+    def cancelled(self, rid: int) -> bool:
+        """Whether ``rid`` was cancelled."""
+        with self._lock:
+            return rid in self._cancelled
+
+    def closed(self, rid: int) -> None:
+        """A request is done: forget it."""
+        with self._lock:
+            self._open.discard(rid)
+            self._cancelled.discard(rid)
+
 
 
 class PersistentComputeFailure(Exception):
