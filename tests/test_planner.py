@@ -195,19 +195,19 @@ def test_prediction_is_carried_by_the_plan() -> None:
                                   ((0.0001, 0.00001), (0.05, 0.05)),     # b far slower: a would take all
                                   ((0.05, 0.05), (0.0001, 0.00001))])    # a far slower: b would take all
 def test_the_embedded_default_puts_layers_on_both_demo_workers(tmp_path: Path, cost: tuple) -> None:
-    """The demo is a cluster: neither demo worker's memory holds the demo model alone, the two together do,
-    and each can still be timed (profiled) before the first plan. Their memory holds the KV cache of one slot, so
-    api.parallel: auto (the default) chooses one."""
+    """The demo is a cluster: neither demo worker's memory holds the demo model with the KV cache of the 4 slots
+    api.parallel: auto (the default) chooses, the two together do, and each can still be timed (profiled) before
+    the first plan."""
     inventory = embedded_inventory()
     demo = read_model(write_demo_model(tmp_path / "demo.gguf"))
     nodes = [NodeCapacity(node.name, 64 * GIB, node.memory) for node in inventory.nodes]
     plan = choose_slots("compute", demo, nodes, inventory.context, inventory.api.parallel, speeds=speeds(*cost))
-    assert all(plan.layers) and plan.slots == 1, plan
+    assert all(plan.layers) and plan.slots == 4, plan
     for other in (plan_memory, plan_equal):
-        assert all(other(demo, nodes, inventory.context).layers)
+        assert all(other(demo, nodes, inventory.context * plan.slots).layers)
     for node in nodes:
         with pytest.raises(PlanError, match="does not fit"):
-            plan_compute(demo, [node], speeds(cost[0]), inventory.context)
+            plan_compute(demo, [node], speeds(cost[0]), inventory.context * plan.slots)
         low, high = depths_for(demo, node.usable) or (0, 0)
         assert 1 <= low < high
 
