@@ -177,3 +177,19 @@ def test_a_request_that_begins_as_one_in_flight_copies_that_part_and_says_what_i
     assert shared == answer.model_extra["timings"]["cache_n"]
     assert answer.usage is not None and answer.model_extra["timings"]["prompt_n"] == (
         answer.usage.prompt_tokens - shared)
+
+
+def test_a_worker_killed_while_n_choices_stream_from_one_copied_prompt_loses_no_token(
+        cluster4: Cluster, alone: list[str]) -> None:
+    victim, recoveries = cluster4.worker_pid("n0"), cluster4.status()["recoveries"]
+    stream = client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,
+                                                 n=4, stream=True)
+    pieces: list[list[str]] = [[] for _ in range(4)]
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+        if victim is not None and sum(map(len, pieces)) >= 8:
+            os.kill(victim, signal.SIGKILL)  # the prompt's cells were copied; every choice resumes from its own
+            victim = None
+    assert victim is None and ["".join(each) for each in pieces] == [alone[0]] * 4
+    assert cluster4.status()["recoveries"] - recoveries >= 4  # each choice is a request of its own, resumed
