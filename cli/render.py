@@ -135,8 +135,6 @@ def header(status: ClusterStatus, now: float) -> list[Text]:
         parts.append(f"plan {status.predicted_ms:.1f} ms/tok")
     load = [f"slots {status.slots_busy}/{status.slots}", f"queue {status.queue_length}/{status.queue_limit}",
             f"deferred {status.requests_deferred}", f"rejected {status.requests_rejected}"]
-    if status.prompt_tokens_shared:
-        load.append(f"prompt tokens shared {status.prompt_tokens_shared}")
     if status.slots > 1:  # with one slot, the request's own decode rate above is all of it
         load.append(f"all decode {status.aggregate_decode_tokens_per_s:.1f} tok/s")
     return [first, Text("  ".join(parts)), Text("  ".join(load))]

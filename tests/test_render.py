@@ -249,3 +249,5 @@ def test_a_full_queue_and_parallel_slots_are_on_the_third_line() -> None:
     assert (data["requests_deferred"], data["requests_rejected"]) == (40, 3)
     assert data["request_decode_tokens_per_s"] == [33.0, 32.96, 32.5, 32.58]
     assert ClusterStatus.from_dict(data) == status
+    shared = dataclasses.replace(status, prompt_tokens_shared=117)  # in --json and /metrics, not on the header
+    assert ClusterStatus.from_dict(json.loads(json.dumps(shared.to_dict()))).prompt_tokens_shared == 117
