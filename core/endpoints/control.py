@@ -106,10 +106,17 @@ async def serve_client(service: Service, reader: asyncio.StreamReader, writer: a
 
 
 async def serve_control(service: Service, path: Path) -> asyncio.Server:
-    """Listen on ``path`` (0600: only this user; `serve_client` checks the peer too)."""
-    path.unlink(missing_ok=True)
-    server = await asyncio.start_unix_server(lambda r, w: serve_client(service, r, w), path=str(path))
-    path.chmod(0o600)
+    """Listen on ``path`` (0600: only this user; `serve_client` checks the peer too).
+
+    The socket is bound and listening under another name first, then renamed into place: a socket file that
+    exists before listen() refuses connections, and `up` takes the file for a controller that is ready to talk.
+    The other name is no longer than ``path``'s (a socket path has a length limit).
+    """
+    staged = path.with_suffix(".new")
+    staged.unlink(missing_ok=True)
+    server = await asyncio.start_unix_server(lambda r, w: serve_client(service, r, w), path=str(staged))
+    staged.chmod(0o600)
+    staged.replace(path)
     return server
 
 
