@@ -102,7 +102,7 @@ class RequestRunner:
 
     def decode_rate(self) -> float | None:
         """Tokens/s of the request generating now that started first (since its first token), else of the last."""
-        rates = [rate for rate in map(_decode_rate, self.current) if rate is not None]
+        rates = self.request_rates()
         return rates[0] if rates else self.rates["decode"]
 
     def aggregate_decode_rate(self) -> float:

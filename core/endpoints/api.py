@@ -237,11 +237,10 @@ class _Api:
             return _fail(400, str(exc), "invalid_request_error", exc.field)
         ident = f"{'chatcmpl' if shape.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        jobs = _choices(job, parsed.n)
         if parsed.stream:
             usage_chunk = parsed.stream_options is not None and parsed.stream_options.include_usage
-            return await self._stream(request, _choices(job, parsed.n), shape, ident, created,
-                                      usage_chunk=usage_chunk)
-        jobs = _choices(job, parsed.n)
+            return await self._stream(request, jobs, shape, ident, created, usage_chunk=usage_chunk)
         texts: list[list[str]] = [[] for _ in jobs]
         logprobs: list[list[dict[str, Any]]] = [[] for _ in jobs]
         done: list[dict[str, Any]] = [{} for _ in jobs]

@@ -176,12 +176,13 @@ def _sequences(parallel: int) -> Iterator[None]:
         low.llama_context_default_params = original
 
 
-def last_logits(lib: Any, llm: Any, n_vocab: int) -> np.ndarray:
-    """The logits of the last decoded token, without a copy (``lib``: the llama_cpp module).
+def last_logits(lib: Any, llm: Any, n_vocab: int, index: int = -1) -> np.ndarray:
+    """The logits of the last decoded batch's ``index``-th output (default: its last token), without a copy
+    (``lib``: the llama_cpp module).
 
     Reading them waits for the graph: llama_decode itself may return before it is done.
     """
-    return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+    return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, index), shape=(n_vocab,))
 
 
 class Generator:
@@ -311,7 +312,7 @@ class LlamaEngine:
 
     def logits(self, index: int) -> np.ndarray:
         """The logits of the batch's ``index``-th entry, without a copy."""
-        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(self._n_vocab,))
+        return last_logits(self._lib, self._llm, self._n_vocab, index)
 
     def forget(self, seq: int, start: int) -> None:
         """Drop a sequence's KV cells from ``start`` on."""

@@ -319,8 +319,7 @@ class Scheduler:
         engine = self.engine
         first_seen: float | None = None
         failed_on = ""
-        rids = {plan.slot.rid for plan in planned}
-        rid = next(iter(rids)) if len(rids) == 1 else None  # the request a report names, when it is one
+        rid: int | None = None  # the request a report names, when the step holds one (found once a step fails)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             status = engine.decode(entries)
             engine.synchronize()  # what reading the logits waits for anyway
@@ -331,7 +330,10 @@ class Scheduler:
                 if first_seen is not None:
                     self.emit(ComputeRetried(failed_on, attempt, (time.perf_counter() - first_seen) * 1000, rid))
                 return
-            first_seen = first_seen or time.perf_counter()
+            if first_seen is None:
+                first_seen = time.perf_counter()
+                rids = {plan.slot.rid for plan in planned}
+                rid = next(iter(rids)) if len(rids) == 1 else None
             failed_on = failure.endpoint
             for seq in {entry.seq for entry in entries}:  # llama_decode may have kept some: drop them all
                 engine.forget(seq, min(entry.pos for entry in entries if entry.seq == seq))
