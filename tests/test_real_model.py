@@ -269,3 +269,17 @@ def test_a_json_schema_answer_of_the_real_model_parses_and_follows_the_schema(cl
     value = json.loads(answer.choices[0].message.content or "")
     assert set(value) == {"city", "population"} and isinstance(value["city"], str) and len(value["city"]) <= 24
     assert isinstance(value["population"], int)
+
+
+def test_n_choices_of_the_real_model_share_its_prompt_and_each_says_what_it_alone_says(cluster: Cluster,
+                                                                                      llm: Any) -> None:
+    """Gemma 3's sliding-window layers keep a KV cache of their own: the copy of the prompt's cells covers both."""
+    before = cluster.status()
+    api = openai.OpenAI(base_url=f"http://{before['api_endpoint']}/v1", api_key="unused", max_retries=0,
+                        timeout=300)
+    answer = api.completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, temperature=0, n=3)
+    assert [choice.text for choice in answer.choices] == [reference(llm, PROMPT, TOKENS)] * 3
+    assert answer.usage is not None
+    shared = cluster.status()["prompt_tokens_shared"] - before["prompt_tokens_shared"]
+    # Auto's 4 slots hold the 3 choices at once: the prompt is evaluated for the first, the other two copy it.
+    assert before["slots"] == 4 and shared == 2 * (answer.usage.prompt_tokens - 1)
