@@ -14,7 +14,7 @@ WHEELS := $(CACHE)/wheels/rpc-$(PATCH_KEY)-$(LLAMA_CPP_PYTHON)
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time, the cluster
 
-.PHONY: setup demo test lint unit clean system-deps real-model
+.PHONY: setup demo test lint unit clean system-deps test-deps real-model cuda-worker
 
 setup: $(STAMP)
 
@@ -71,7 +71,19 @@ unit: setup
 real-model: setup
 	$(BIN)/python -m tests.realmodel
 
-test: lint real-model
+# The CUDA worker, built here without a GPU through the code `backend: cuda` uses (README: CUDA workers): the
+# system's CUDA toolkit if complete, else NVIDIA's CUDA 13 wheels from PyPI; for $GGML_CLUSTER_CUDA_ARCHITECTURES
+# (default 90: H100/H200). Cached per machine: the first build takes 35-70 minutes on 2 cores, later ones no time.
+# CMAKE_BUILD_PARALLEL_LEVEL=1 (and nice) keeps a shared machine usable meanwhile.
+cuda-worker: setup
+	$(BIN)/python -m core.nodes.buildworker cuda
+
+# sshd, qemu-user + binfmt + debootstrap (the arm64 node), the aarch64 cross compiler, the Vulkan build tools and
+# lavapipe (tests/system-deps.sh says why each); as root with apt it installs them, else it names what is missing.
+test-deps:
+	@sh tests/system-deps.sh
+
+test: test-deps lint real-model
 	$(BIN)/pytest -q
 
 clean:

@@ -82,7 +82,8 @@ def memory(node: NodeStatus) -> str:
     """What the worker holds of its node's memory: a bar and ``used/total``.
 
     GPU nodes: device memory in use (nvidia-smi / rocm-smi). Others: the worker's resident memory against
-    the memory it reported. ``-`` where the node never reported its memory.
+    the memory it reported. The total is the node's cap (the inventory's ``memory:``) where that is less: the
+    planner uses no more. ``-`` where the node never reported its memory.
     """
     used: int | None
     if node.gpu_mem_used is not None and node.gpu_mem_total:
@@ -91,6 +92,8 @@ def memory(node: NodeStatus) -> str:
         used, total = node.rss, node.mem_total
     else:
         return "-"
+    if node.mem_cap is not None:
+        total = min(total, node.mem_cap)
     if used is None:
         return f"{'░' * BAR_CELLS} -/{compact(total)}"
     return f"{bar(used / total)} {compact(used)}/{compact(total)}"
@@ -217,6 +220,7 @@ def node_lines(status: ClusterStatus, width: int, now: float) -> list[Text]:
         last = node.last_error or node.last_status or compute_failure(node)
         if not last and node.state == NodeState.READY and node.layers is None and status.tensor_split:
             last = "no layers in this plan; `ggml-cluster plan` says why"
+        last = last or node.device  # with nothing to report, the device it serves (a software one says so)
         if node.left_out and node.retry_at is not None:
             last += (f" (failed {node.failures} time{'s' if node.failures != 1 else ''}; next try in "
                      f"{duration(node.retry_at - now)})")
@@ -278,8 +282,9 @@ def deploy_table(status: ClusterStatus) -> Table:
         table.add_column(column, no_wrap=True)
     table.add_column("HOW / WHY", overflow="fold")
     for node in status.nodes:
+        how = node.detail + (f"; device {node.device}" if node.device else "")
         table.add_row(node.name, node.host, Text(str(node.state), style=STATE_STYLE[node.state]),
-                      node.backend or "-", node.last_error if node.left_out else node.detail or "-")
+                      node.backend or "-", node.last_error if node.left_out else how or "-")
     return table
 
 
@@ -290,7 +295,8 @@ def check_table(rows: list[NodeCheck]) -> Table:
         table.add_column(column, no_wrap=True)
     table.add_column("HARDWARE / PROBLEM", overflow="fold")
     for row in rows:
-        last = Text(row.problem, style="bold red") if row.problem else Text(f"{row.hardware}; {row.reason}")
+        device = f"; device {row.device}" if row.device else ""
+        last = Text(row.problem, style="bold red") if row.problem else Text(f"{row.hardware}; {row.reason}{device}")
         table.add_row(row.name, row.host, row.system or "-", row.backend or "-", row.worker or "-",
                       row.port or "-", last)
     return table

@@ -23,8 +23,9 @@ from core.inventory import Inventory, Node
 from core.model import demo_model, read_model
 from core.nodes import worker
 from core.nodes.build import TARGET, Progress, cache_dir, worker_binary
-from core.nodes.deploy import decide_deployment, deployable, node_root
-from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
+from core.nodes.deploy import Deployment, decide_deployment, deployable, node_root
+from core.nodes.devices import backend_environment, describe, vulkan_device
+from core.nodes.probe import PARALLEL_NODES, NodeFacts, local_cpu_flags, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.shell import Remote
 from core.nodes.worker import worker_dir
@@ -303,6 +304,7 @@ class NodeCheck:
     backend: str = ""
     reason: str = ""     # why that backend
     worker: str = ""     # cached | push | remote | installed | build here (a local node)
+    device: str = ""     # the backend's device: the worker's own listing when it is there, else the probe's
     port: str = ""       # free | used by this cluster's worker | …
     problem: str = ""    # empty when the node is good to go
 
@@ -331,6 +333,7 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
                 plan = await decide_deployment(remote, deployable(inventory, node), facts,
                                                node_root(remote, node.workdir), flags)
                 row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)
+                row = replace(row, device=await _device(inventory, node, state, remote, plan=plan, facts=facts))
                 ours = await worker.running_supervisor(remote, _folder_spec(inventory, node, state, remote)) is not None
                 used = await remote.port_open(node.rpc_port)
                 port = "used by this cluster's worker" if ours else "in use by another process" if used else "free"
@@ -344,6 +347,19 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
         return row
 
     return list(await asyncio.gather(*(one(node) for node in inventory.nodes)))
+
+
+async def _device(inventory: Inventory, node: Node, state: StateDir, remote: Remote, *, plan: Deployment,
+                  facts: NodeFacts) -> str:
+    """The device the node's worker would serve its backend on. A worker already on the node lists its own, in the
+    environment `up` gives it (raising MissingDevice, as `up` would, when it has none); one still to be built or
+    pushed has only the probe's word, and that only for Vulkan."""
+    env = worker.environment(node, backend_environment(plan.backend, facts.vulkan_devices))
+    if plan.how in ("cached", "installed"):
+        spec = replace(_folder_spec(inventory, node, state, remote), binary=plan.binary, env=env)
+        device = await worker.backend_device(remote, spec, plan.backend)
+        return describe(device) if device else ""
+    return vulkan_device(facts.vulkan_devices) if plan.backend == "vulkan" else ""
 
 
 async def explain_plan(inventory: Inventory, strategy: str, objective: str | None = None

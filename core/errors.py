@@ -35,6 +35,11 @@ class DeployError(ClusterError):
     """A worker binary could not be built, found or started."""
 
 
+class MissingDevice(DeployError):
+    """A worker lacks the device of the backend it was built for (a driver missing or unreachable): it would serve
+    the CPU alone. It does not pass by itself, so the node waits for the next `up` instead of a timer."""
+
+
 class WorkerError(ClusterError):
     """A worker answered wrongly (protocol version, memory query) or died."""
 

@@ -75,6 +75,7 @@ class NodeStatus:
     layers: tuple[int, int] | None = None  # [first, last] inclusive, None when the node holds none
     mem_total: int = 0
     mem_free: int = 0
+    mem_cap: int | None = None      # the inventory's `memory:`, bytes: the most the planner uses there (None: no cap)
     restarts: int = 0
     pid: int | None = None
     last_status: str = ""
@@ -82,6 +83,9 @@ class NodeStatus:
     failures: int = 0               # failed tries in a row (0 once ready again)
     retry_at: float | None = None   # when a failed node is tried again (epoch seconds)
     detail: str = ""                # backend choice and how the worker got there
+    # The backend's device the worker serves, as the worker names it; a software one says so, e.g. "llvmpipe (LLVM
+    # 15.0.6, 256 bits) (software Vulkan)". "" for a CPU worker (and until the worker's devices were listed).
+    device: str = ""
     progress: float | None = None   # of the current deployment step, 0..1
     fixed_ms: float | None = None     # measured cost per token of using this node at all
     layer_ms: float | None = None     # measured cost per token of one (mean-sized) layer here
@@ -173,6 +177,8 @@ class ClusterStatus:
     requests_deferred: int = 0         # requests that waited for a slot, since the controller started
     requests_rejected: int = 0         # requests refused because the queue was full
     prompt_tokens_shared: int = 0      # prompt tokens copied from another request's KV cells instead of evaluated
+    completion_tokens: int = 0         # tokens generated, since the controller started
+    completion_tokens_batched: int = 0  # of them, decoded in a step that carried another sequence's tokens too
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
     api_endpoint: str = ""             # host:port of the OpenAI-compatible API, when it serves
 
@@ -205,6 +211,8 @@ class ClusterStatus:
             "requests_deferred": self.requests_deferred,
             "requests_rejected": self.requests_rejected,
             "prompt_tokens_shared": self.prompt_tokens_shared,
+            "completion_tokens": self.completion_tokens,
+            "completion_tokens_batched": self.completion_tokens_batched,
             "metrics_endpoint": self.metrics_endpoint,
             "api_endpoint": self.api_endpoint,
         }
@@ -248,6 +256,8 @@ class ClusterStatus:
             requests_deferred=data.get("requests_deferred", 0),
             requests_rejected=data.get("requests_rejected", 0),
             prompt_tokens_shared=data.get("prompt_tokens_shared", 0),
+            completion_tokens=data.get("completion_tokens", 0),
+            completion_tokens_batched=data.get("completion_tokens_batched", 0),
             metrics_endpoint=data.get("metrics_endpoint", ""),
             api_endpoint=data.get("api_endpoint", ""),
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.emulated import OverlayRoot, arm64_root
 from tests.harness import free_port, listening
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -32,9 +33,13 @@ class Sshd:
     """One sshd on address:port that accepts ``authorized`` keys for the current user."""
 
     def __init__(self, root: Path, authorized: Path, without: tuple[str, ...] = (), address: str = "127.0.0.1",
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, chroot: OverlayRoot | None = None,
+                 env: dict[str, str] | None = None, sftp: bool = True) -> None:
         """``without``: commands missing from the PATH that sessions on this "node" get; ``namespace``: the
-        network namespace sshd (and so every process a session starts) runs in (a benchmark's shaped link)."""
+        network namespace sshd (and so every process a session starts) runs in (a benchmark's shaped link);
+        ``chroot``: the root file system sessions land in (another arch's, see tests.emulated), mounted in a mount
+        namespace of this sshd's own; ``env``: variables every session gets (QEMU_CPU); ``sftp``: False leaves the
+        SFTP subsystem out, as Dropbear and minimal sshds do."""
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.address = address
@@ -47,13 +52,19 @@ class Sshd:
             f"PidFile {root / 'sshd.pid'}", f"AuthorizedKeysFile {authorized}",
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
             "PermitRootLogin prohibit-password", "StrictModes no", "UsePAM no", "MaxSessions 64",
-            "MaxStartups 64", "Subsystem sftp internal-sftp", "LogLevel ERROR",
-            *([f"SetEnv PATH={self._path_without(root / 'bin', without)}"] if without else []), "",
+            "MaxStartups 64", *(["Subsystem sftp internal-sftp"] if sftp else []), "LogLevel ERROR",
+            *([f"ChrootDirectory {chroot.merged}"] if chroot else []),
+            *self._set_env({**({"PATH": str(self._path_without(root / "bin", without))} if without else {}),
+                            **(env or {})}), "",
         ]))
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation folder
         self.log = (root / "sshd.log").open("a")
         inside = ["ip", "netns", "exec", namespace] if namespace else []  # `ip` execs sshd: same pid
+        if chroot:  # unshare and sh exec too: still sshd's pid; its mounts end with its namespace
+            inside += ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       f'{chroot.mount_script()} && exec "$0" "$@"']
         self.command = [*inside, SSHD, "-D", "-e", "-f", str(config)]
+        self.overlay = chroot
         self.start()
 
     def start(self) -> None:
@@ -78,6 +89,11 @@ class Sshd:
                 os.kill(pid, signal.SIGKILL)
 
     @staticmethod
+    def _set_env(variables: dict[str, str]) -> list[str]:
+        """One SetEnv line (sshd takes the first of several)."""
+        return [f"SetEnv {' '.join(f'{name}={value}' for name, value in variables.items())}"] if variables else []
+
+    @staticmethod
     def _path_without(folder: Path, without: tuple[str, ...]) -> Path:
         folder.mkdir()
         for directory in ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"):
@@ -99,6 +115,8 @@ class Sshd:
             self.process.terminate()
             self.process.wait(timeout=10)
         self.log.close()
+        if self.overlay is not None:
+            self.overlay.remove()
 
 
 class SshWorld:
@@ -119,13 +137,25 @@ class SshWorld:
         self.extra: list[Sshd] = []
         (ssh / "known_hosts").write_text("".join(s.known_hosts_line() + "\n" for s in self.servers))
 
-    def extra_server(self, root: Path, without: tuple[str, ...] = (), trusted: bool = False) -> Sshd:
-        """Another node that accepts our key; its host key is in known_hosts only when ``trusted``."""
-        server = Sshd(root, self.authorized, without)
+    def extra_server(self, root: Path, without: tuple[str, ...] = (), trusted: bool = False,
+                     sftp: bool = True) -> Sshd:
+        """Another node that accepts our key; its host key is in known_hosts only when ``trusted``; ``sftp``:
+        whether its sshd has the SFTP subsystem."""
+        server = Sshd(root, self.authorized, without, sftp=sftp)
         self.extra.append(server)
         if trusted:
             with (self.home / ".ssh" / "known_hosts").open("a") as handle:
                 handle.write(server.known_hosts_line() + "\n")
+        return server
+
+    def emulated_server(self, root: Path, qemu_cpu: str) -> Sshd:
+        """An arm64 node (trusted): a session lands in its own overlay of the cached arm64 root, as root, on the
+        CPU ``qemu_cpu`` (qemu-user's name: ``cortex-a72`` is a Raspberry Pi 4, ``cortex-a76`` a Pi 5)."""
+        overlay = OverlayRoot(arm64_root(), root / "overlay")
+        server = Sshd(root, self.authorized, chroot=overlay, env={"QEMU_CPU": qemu_cpu})
+        self.extra.append(server)
+        with (self.home / ".ssh" / "known_hosts").open("a") as handle:
+            handle.write(server.known_hosts_line() + "\n")
         return server
 
     def env(self, **extra: str) -> dict[str, str]:

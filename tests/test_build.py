@@ -18,6 +18,7 @@ import pytest
 
 from core.engine.rpc_client import LIB_PATH_ENV
 from core.errors import DeployError
+from core.inventory import Node
 from core.nodes.build import (
     CACHE_ENV,
     WorkerBinary,
@@ -30,8 +31,9 @@ from core.nodes.build import (
     worker_binary,
     worker_source,
 )
-from core.nodes.deploy import LEASE_MARKER, node_lock
+from core.nodes.deploy import LEASE_MARKER, decide_deployment, node_lock
 from core.nodes.patches import patches_digest
+from core.nodes.probe import parse_node
 from core.nodes.remote import LocalRemote
 from core.state import PidRecord
 from core.version import Version
@@ -59,7 +61,8 @@ def test_progress_lines() -> None:
 
 def test_key_names_version_flavour_os_arch_backend() -> None:
     digest = patches_digest()
-    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda"
+    # A CUDA build's key ends in its GPU architectures (tests/test_toolkit.py): 90 unless told otherwise.
+    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda-sm90"
     assert build_key("0.3.36", "metal", "Darwin", "arm64") == f"0.3.36-p{digest}-darwin-arm64-metal"
     assert build_key("0.3.36", "cpu", "Linux", "x86_64", stock=True) == "0.3.36-stock-linux-x86_64-cpu"
 
@@ -195,6 +198,17 @@ def test_a_followed_command_ends_with_its_whole_process_group() -> None:
     assert not any(alive(pid) for pid in pids)
 
 
+def test_a_node_without_cmake_or_a_compiler_is_told_one_command_that_installs_both(tmp_path: Path) -> None:
+    os_release = (FIXTURES / "probe" / "os-release_debian-12-bookworm_which-distro.txt").read_text()
+    facts = parse_node(f"==uname==\nLinux x86_64\n==os-release==\n{os_release}\n")
+    assert facts.toolchain.cmake is None and facts.toolchain.cxx is None
+    node = Node(name="n0", host="192.0.2.7", backend="cpu", build="remote")
+    with pytest.raises(DeployError) as failed:
+        asyncio.run(decide_deployment(LocalRemote("n0"), node, facts, str(tmp_path), frozenset()))
+    assert str(failed.value) == ("node n0: cmake and c++ not found, needed to build the worker there "
+                                 "(fix: sudo apt-get install -y cmake build-essential)")
+
+
 @pytest.mark.parametrize(("capture", "reason"), [
     ("cmake-configure_vulkan-sdk-missing_debian12-cmake3.25.txt",
      "Could NOT find Vulkan (missing: Vulkan_LIBRARY Vulkan_INCLUDE_DIR glslc)"),
@@ -208,7 +222,21 @@ def test_why_a_configure_failed_is_cmakes_message_not_its_last_error_line(captur
     assert failure_reason(lines) == reason
 
 
-def test_why_a_compile_failed_is_the_last_error_line() -> None:
-    lines = ["[3/40] Building CXX object a.o", "/src/a.cpp:1:1: error: 'x' was not declared", "ninja: build stopped"]
+def test_why_a_compile_failed_is_the_first_compiler_error_the_cause_of_the_rest() -> None:
+    """Real output of building llama.cpp's unguarded ggml-vulkan.cpp against Debian 12's Vulkan headers (1.3.239,
+    no VK_EXT_layer_settings) with gcc 12 and ninja: six errors follow from the first, the last is a symptom."""
+    capture = FIXTURES / "cmake" / "cmake-build_vulkan-headers-1.3.239-layer-settings-unguarded_debian12-gcc12.txt"
+    reason = failure_reason(capture.read_text().splitlines())
+    # gcc quotes names in U+2018 and U+2019 under a UTF-8 locale.
+    assert reason is not None and reason.endswith(
+        "ggml-vulkan.cpp:5214:21: error: \u2018LayerSettingEXT\u2019 is not a member of \u2018vk\u2019")
+    lines = ["[3/40] Building CXX object a.o", "FAILED: a.o", "c++ -Werror=format -c /src/a.cpp",
+             "/src/a.cpp: In function 'int main()':", "/src/a.cpp:1:1: error: 'x' was not declared",
+             "/src/a.cpp:2:1: error: 'y' was not declared", "ninja: build stopped: subcommand failed."]
     assert failure_reason(lines) == "/src/a.cpp:1:1: error: 'x' was not declared"
+    assert failure_reason(["/src/b.c:1:10: fatal error: vulkan/vulkan.h: No such file or directory",
+                           "compilation terminated."]) == "/src/b.c:1:10: fatal error: vulkan/vulkan.h: No such file " \
+        "or directory"
+    # No compiler diagnostic: the last line that names an error (make's own).
+    assert failure_reason(["make[2]: *** [a.o] Error 1", "make: *** [all] Error 2"]) == "make: *** [all] Error 2"
     assert failure_reason(["[1/2] ok"]) is None

@@ -49,13 +49,11 @@ def alone(cluster4: Cluster) -> list[str]:
 
 
 class Streams:
-    """The four prompts streamed at once: each one's pieces, and when its first and last arrived."""
+    """The four prompts streamed at once: each one's pieces and why it ended."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.api = client(cluster)
         self.pieces: list[list[str]] = [[] for _ in PROMPTS]
-        self.first: list[float] = [0.0] * len(PROMPTS)
-        self.last: list[float] = [0.0] * len(PROMPTS)
         self.reasons: list[str | None] = [None] * len(PROMPTS)
         self.started = threading.Barrier(len(PROMPTS))
 
@@ -66,8 +64,6 @@ class Streams:
         for chunk in stream:
             if chunk.choices[0].text:
                 self.pieces[index].append(chunk.choices[0].text)
-                self.first[index] = self.first[index] or time.monotonic()
-                self.last[index] = time.monotonic()
             self.reasons[index] = chunk.choices[0].finish_reason or self.reasons[index]
 
     def run(self, during: object = None) -> None:
@@ -92,12 +88,17 @@ def test_a_default_inventory_comes_up_with_four_slots_chosen_automatically(clust
 
 def test_four_streams_at_once_are_decoded_together_and_each_gets_its_own_text(cluster4: Cluster,
                                                                                  alone: list[str]) -> None:
+    before = cluster4.status()
     streams = Streams(cluster4)
     streams.run()
     assert streams.texts() == alone  # greedy, as run alone (measured equal on this backend; see README)
     assert streams.reasons == ["length"] * len(PROMPTS)
-    # together, not one after another: every stream had its first token before any had its last
-    assert max(streams.first) < min(streams.last)
+    # Together, not one after another, by the coordinator's own record (a client's clock under load is not one):
+    # most tokens came out of a decode step that carried another stream's too; one after another, none would.
+    after = cluster4.status()
+    generated = after["completion_tokens"] - before["completion_tokens"]
+    batched = after["completion_tokens_batched"] - before["completion_tokens_batched"]
+    assert generated == len(PROMPTS) * TOKENS and batched > generated // 2
 
 
 def test_a_worker_killed_while_four_streams_run_loses_and_repeats_no_token_in_any(cluster4: Cluster,

@@ -93,7 +93,7 @@ def test_split_sections_keeps_banner_lines_that_are_not_markers() -> None:
 
 def test_probe_command_marks_every_section() -> None:
     names = [line.split("==")[1] for line in PROBE_COMMAND.splitlines()]
-    assert names == ["uname", "os-release", "macos-version", "cpuinfo", "sysctl", "meminfo", "df", "nvidia-smi",
+    assert names == ["uname", "os-release", "macos-version", "cpuinfo", "auxv", "sysctl", "meminfo", "df", "nvidia-smi",
                      "rocm-smi", "vulkaninfo", "system_profiler", "cmake", "cxx", "nvcc", "hipcc"]
     assert "==nvidia-smi-table==" in PROBE_COMMAND  # printed only when the CSV query fails
     assert PROBE_COMMAND.endswith(TOOLCHAIN_COMMAND)
@@ -551,6 +551,18 @@ def test_install_hint_elsewhere() -> None:
     assert install_hint(macos, "c++") == "xcode-select --install"
     assert install_hint(arch, "cmake") == "install cmake with the system's package manager"
     assert install_hint(arch, "c++") == "install a C++ compiler (g++ or clang++) with the system's package manager"
+
+
+def test_one_install_hint_installs_every_missing_tool() -> None:
+    """Both cmake and a compiler missing: one command that installs both, not one that installs the first."""
+    debian = parse_os_release(fixture("os-release_debian-12-bookworm_which-distro.txt"))
+    assert install_hint(debian, "cmake", "c++") == "sudo apt-get install -y cmake build-essential"
+    assert install_hint(OsInfo("linux", "rocky", "9", "Rocky Linux 9"), "cmake", "c++") == \
+        "sudo dnf install -y cmake gcc-c++"
+    assert install_hint(OsInfo("darwin", "macos", "15.0", "macOS 15.0"), "cmake", "c++") == \
+        "xcode-select --install && brew install cmake"
+    assert install_hint(OsInfo("linux", "arch", "", "Arch Linux"), "cmake", "c++") == \
+        "install cmake and a C++ compiler (g++ or clang++) with the system's package manager"
 
 
 # --- this machine -----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ from core.engine.protocol import ComputeFailed, ComputeRetried
 from core.errors import ConnectError, WorkerDown
 from core.inventory import parse_inventory
 from core.model import write_demo_model
+from core.nodes.shell import CommandResult
 from core.nodes.testing import FakeRemote, FakeWorker
 from core.rpc.wire import DeviceMemory, WorkerInfo
 from core.service import GenerateRequest
@@ -84,25 +85,31 @@ def expected(prompt: str, tokens: int) -> str:
 @asynccontextmanager
 async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, cues: dict[str, Any] | None = None,
                   nodes: int = 2, memory: str = "", *, adopt: Harness | None = None,
-                  keep_workers: bool = False, stock: tuple[str, ...] = (), api: str = "") -> AsyncIterator[Harness]:
+                  keep_workers: bool = False, stock: tuple[str, ...] = (), api: str = "",
+                  fields: dict[int, str] | None = None,
+                  prepare: Callable[[dict[str, FakeRemote]], None] | None = None) -> AsyncIterator[Harness]:
     """A running controller over ``nodes`` fake nodes (each ``memory`` capped) and the stub coordinator.
 
     ``adopt``: the nodes (and their workers) of an earlier cluster, which a new controller adopts;
     ``keep_workers``: the controller leaves its workers running when it stops (`down --keep-workers`);
     ``stock``: nodes whose workers do not report failed computes (the others' HELLO says they do);
-    ``api``: the inventory's ``api:`` mapping (a queue bound)."""
+    ``api``: the inventory's ``api:`` mapping (a queue bound); ``fields``: more inventory fields of a node
+    (``backend: vulkan``), by index; ``prepare``: scripts the new nodes before the controller starts."""
     (tmp_path / "cues.json").write_text(json.dumps(cues or {}))
     monkeypatch.setenv("GGML_STUB_CUES", str(tmp_path / "cues.json"))
     lines = ["cluster: fake", "context: 512", "strategy: memory", *([f"api: {api}"] if api else []), "nodes:"]
     for index in range(nodes):
+        more = ([f"memory: {memory}"] if memory else []) + ([fields[index]] if fields and index in fields else [])
         lines += [f"  - {{name: n{index}, host: 127.0.0.{index + 1}, transport: direct, rpc_port: {50100 + index},"
-                  f" build: {{path: /opt/rpc/ggml-rpc-server}}{', memory: ' + memory if memory else ''}}}"]
+                  f" build: {{path: /opt/rpc/ggml-rpc-server}}{''.join(', ' + field for field in more)}}}"]
     inventory = parse_inventory("\n".join(lines) + "\n", str(tmp_path / "inventory.yaml"))
     if adopt is None:
         remotes = {f"n{index}": FakeRemote(f"n{index}") for index in range(nodes)}
         workers = {name: FakeWorker(remote, f"/home/fake/.ggml-cluster/fake/{name}")
                    for name, remote in remotes.items()}
         hello = dict.fromkeys(remotes, "ok")
+        if prepare is not None:
+            prepare(remotes)
     else:
         remotes, workers, hello = adopt.remotes, adopt.workers, adopt.hello
     by_host = {f"127.0.0.{index + 1}": f"n{index}" for index in range(nodes)}
@@ -127,6 +134,28 @@ async def cluster(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, 
         yield harness
     finally:
         await controller.shutdown(stop_workers=not keep_workers)
+
+
+def test_a_failed_node_shows_the_backend_it_would_run(tmp_path: Path, model: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never an empty backend: the inventory's, or the one the node's probe chose; a node whose inventory says auto
+    and that was never probed shows "auto"."""
+    def break_nodes(remotes: dict[str, FakeRemote]) -> None:
+        remotes["n2"].reachable = remotes["n3"].reachable = False
+        remotes["n4"].on("test -f /opt/rpc/ggml-rpc-server", CommandResult(1, "", ""))  # probed, then no worker
+
+    async def scenario() -> None:
+        async with cluster(tmp_path, model, monkeypatch, nodes=5, fields={3: "backend: vulkan"},
+                           prepare=break_nodes) as fake:
+            await fake.until(lambda: all(fake.controller.nodes[name].status.state == NodeState.FAILED
+                                         for name in ("n2", "n3", "n4")), "the broken nodes to fail")
+            nodes = fake.controller.snapshot().to_dict()["nodes"]
+            assert {node["name"]: (node["state"], node["backend"]) for node in nodes} == {
+                "n0": ("ready", "cpu"), "n1": ("ready", "cpu"), "n2": ("failed", "auto"), "n3": ("failed", "vulkan"),
+                "n4": ("failed", "cpu")}
+            assert "build.path /opt/rpc/ggml-rpc-server is not an executable file" in nodes[4]["last_error"]
+
+    asyncio.run(scenario())
 
 
 def test_a_worker_that_exits_while_idle_is_restarted_and_the_coordinator_reconnects(

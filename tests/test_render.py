@@ -155,6 +155,21 @@ def test_a_direct_node_shows_no_traffic_counts() -> None:
     ]
 
 
+def test_a_node_with_a_memory_cap_shows_its_use_against_the_cap() -> None:
+    """The inventory's `memory:` is what the planner may use there: that, not the machine's memory, is the total."""
+    status = when(healthy(), rtx4090={"mem_cap": 20 * GIB}, pi5={"mem_cap": 6 * GIB})
+    assert screen(status) == [
+        *HEADER,
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███▋ 18G/20G    88%   9.12     1210        0",
+        "pi5     aarch64/cpu ready 20-27  █▋░░ 2.4G/6.0G 398%   4.25     1209        0",
+        *EVENTS,
+    ]
+    # A cap above what the node has caps nothing.
+    assert screen(when(healthy(), pi5={"mem_cap": 64 * GIB}))[6] == screen(healthy())[6]
+    assert ClusterStatus.from_dict(status.to_dict()) == status
+
+
 def test_narrow_screens_drop_the_load_column_first_and_never_overflow() -> None:
     wide = screen(healthy(), width=120)
     assert "LOAD" in wide[4]

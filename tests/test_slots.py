@@ -175,6 +175,9 @@ def test_each_decode_step_carries_the_next_token_of_every_request_in_flight() ->
     # (its KV cells are the freed sequence's).
     assert shapes(engine) == [[(0, 3), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1)], [(0, 1)]]
     assert tokens(events, 1) == [5, 5, 5] and tokens(events, 2) == [6, 6, 6] and tokens(events, 3) == [5, 5]
+    # Each token says how many sequences its step carried: the record that they were decoded together.
+    assert [(event.id, event.batch) for event in events if isinstance(event, Token)] == [
+        (1, 2), (2, 2), (1, 2), (2, 2), (1, 2), (2, 2), (3, 1), (3, 1)]
     assert ids.done == [1, 2, 3]
     assert (0, 0) in engine.forgotten and (1, 0) in engine.forgotten  # freed at once
 

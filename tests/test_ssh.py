@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -15,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import DeployError
+from core.inventory import Node
 from core.nodes.build import build_key, pinned_version, project_name
 from core.nodes.patches import patches_digest
+from core.nodes.ssh import SshRemote
 from core.state import PidRecord, process_start
 from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
 from tests.sshd import NEEDS_SSHD, SshWorld, keygen, running_world
@@ -334,6 +339,57 @@ def test_a_full_disk_on_the_node_is_named_and_leaves_no_partial_file(world: SshW
         assert not [path for path in full_disk.rglob("*") if path.is_file()]
     finally:
         cluster.cli("down", check=False)
+
+
+def upload_to(world: SshWorld, port: int, source: Path, destination: Path) -> None:
+    """SshRemote.upload of ``source`` to ``destination`` on the sshd at ``port`` (this machine), mode 0755."""
+    node = Node(name="n0", host="127.0.0.1", port=port, user="root", identity=str(world.identity))
+
+    async def upload() -> None:
+        remote = SshRemote(node)
+        await remote.connect()
+        try:
+            await remote.upload(source, str(destination), 0o755)
+        finally:
+            await remote.close()
+
+    asyncio.run(upload())
+
+
+def test_a_node_without_sftp_gets_the_file_over_a_plain_session_whole_or_not_at_all(
+        world: SshWorld, short_root: Path, full_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropbear and minimal sshds have no SFTP subsystem: the file goes through `cat` on an exec channel, to a
+    folder made for it, under a path that holds anything; on a full disk the disk is named and no part is left."""
+    server = world.extra_server(world.root / f"no-sftp-{short_root.name}", trusted=True, sftp=False)
+    monkeypatch.setenv("HOME", str(world.home))  # its known_hosts
+    source = short_root / "ggml-rpc-server"
+    source.write_bytes(os.urandom(3 << 20))
+    canary = short_root / "PWNED"
+    destination = short_root / f"a b;touch {canary};$(touch {canary})'" / "bin" / "ggml-rpc-server"
+    upload_to(world, server.port, source, destination)
+    assert destination.read_bytes() == source.read_bytes()
+    assert stat.S_IMODE(destination.stat().st_mode) == 0o755
+    assert [path.name for path in destination.parent.iterdir()] == ["ggml-rpc-server"] and not canary.exists()
+    with pytest.raises(DeployError, match=r"node n0: the disk is full: ggml-rpc-server needs 3 MiB, .* has 1 MiB free"):
+        upload_to(world, server.port, source, full_disk / "bin" / "ggml-rpc-server")
+    assert not [path for path in full_disk.rglob("*") if path.is_file()]
+
+
+def test_up_and_run_on_a_node_without_sftp(world: SshWorld, short_root: Path) -> None:
+    server = world.extra_server(world.root / f"no-sftp-{short_root.name}", trusted=True, sftp=False)
+    cluster = ssh_cluster(world, short_root, nodes=2,
+                          overrides={1: {"port": str(server.port), "workdir": str(short_root / "no-sftp root")}})
+    try:
+        cluster.cli("up")
+        status = cluster.status()
+        assert [node["state"] for node in status["nodes"]] == ["ready"] * 2
+        assert "worker pushed" in status["nodes"][1]["detail"]  # its own workdir: not the other node's copy
+        result = json.loads(cluster.cli("run", PROMPT, "-n", "16", "--json").stdout)
+        model = json.loads((cluster.state / "launch.json").read_text())["model"]
+        assert result["text"] == single_process(model, PROMPT, 16)["text"]
+    finally:
+        cluster.cli("down", check=False)
+    assert cluster.processes() == []
 
 
 def test_check_reports_every_node_without_starting_anything(world: SshWorld, short_root: Path) -> None:

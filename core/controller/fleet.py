@@ -12,11 +12,12 @@ from typing import Any
 
 from core.controller.events import EventLog, Tasks
 from core.controller.health import READY_TIMEOUT_S, NodeRuntime, Probe, WorkerHealth
-from core.errors import ClusterError, ConnectError, DeployError, PlanError, WorkerError
+from core.errors import ClusterError, ConnectError, DeployError, MissingDevice, PlanError, WorkerError
 from core.inventory import Inventory, Node
 from core.nodes import worker
-from core.nodes.deploy import deploy_worker, deployable, node_root
-from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, probe_node
+from core.nodes.deploy import built_for, deploy_worker, deployable, node_root
+from core.nodes.devices import backend_environment, describe
+from core.nodes.probe import PARALLEL_NODES, local_cpu_flags, node_backend, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.sample import Sample, parse_sample, sample_command, usage
 from core.nodes.shell import Remote
@@ -66,14 +67,15 @@ class NodeWatcher:
                 await self._watch()
                 backoff = NODE_RETRY_MIN_S
             except ClusterError as exc:
-                self.health.fail(runtime, str(exc))
+                self.health.fail(runtime, str(exc), held=isinstance(exc, MissingDevice))
             if self.fleet.stopping:
                 return
             if runtime.status.state == NodeState.FAILED:
-                runtime.status.retry_at = time.time() + backoff
+                runtime.status.retry_at = None if runtime.held else time.time() + backoff
                 self.log.notify()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(runtime.retry.wait(), backoff)
+                    await asyncio.wait_for(runtime.retry.wait(), None if runtime.held else backoff)
+                runtime.held = False
                 runtime.retry.clear()
                 runtime.status.retry_at = None
                 backoff = min(backoff * 2, NODE_RETRY_MAX_S)
@@ -94,11 +96,21 @@ class NodeWatcher:
         runtime.offset = await worker.events_size(runtime.remote, spec)
         status.state = NodeState.STARTING
         self.log.notify()
-        if await worker.running_supervisor(runtime.remote, spec) is None and await runtime.remote.port_open(
-                runtime.node.rpc_port, spec.bind):
+        current = await worker.running_supervisor(runtime.remote, spec)
+        if current is None and await runtime.remote.port_open(runtime.node.rpc_port, spec.bind):
             # Probing it would talk to somebody else's server as if it were ours.
             raise DeployError(f"node {runtime.name}: port {runtime.node.rpc_port} on {status.host} is already in "
                               "use by another process", "fix: stop that process or set another rpc_port")
+        if current is None or current[1] != spec.command():
+            # Before it starts: a worker without its backend's device would serve the CPU alone, unnoticed.
+            device = await worker.backend_device(runtime.remote, spec, status.backend)
+        else:
+            # The running worker is adopted whatever its listing says: it has served as it is (a busy GPU may
+            # even refuse a second process); the listing only names its device.
+            device = None
+            with contextlib.suppress(ClusterError):
+                device = await worker.backend_device(runtime.remote, spec, status.backend)
+        status.device = describe(device) if device else ""
         async with runtime.starting:
             if self.fleet.stopping:
                 return  # `down` came first
@@ -125,12 +137,15 @@ class NodeWatcher:
         async with fleet.parallel:
             facts = await probe_node(remote)
             status.arch = facts.arch
+            status.backend = node_backend(node.backend, facts)[0]  # shown while it deploys, and if that fails
             status.state = NodeState.DEPLOYING
             self.log.notify()
             deployment = await deploy_worker(remote, deployable(fleet.inventory, node), facts,
                                              node_root(remote, node.workdir), local_flags=fleet.local_flags,
                                              progress=progress)
         status.backend = deployment.backend
+        runtime.features = facts.cpu.flags
+        runtime.built_for = await built_for(remote, deployment)
         status.detail = f"{deployment.reason}; worker {deployment.how}"
         status.progress = None
         status.last_status = ""  # it held deployment progress
@@ -140,7 +155,8 @@ class NodeWatcher:
                                  binary=deployment.binary, port=node.rpc_port, threads=node.threads,
                                  bind=node.host if direct and node.host else "127.0.0.1",
                                  cache=str(fleet.state.worker_cache) if node.kind == "local" else None,
-                                 env=worker.environment(node))
+                                 env=worker.environment(node, backend_environment(deployment.backend,
+                                                                                  facts.vulkan_devices)))
 
     def _show_progress(self, message: str, fraction: float | None) -> None:
         self.runtime.status.last_status = message
@@ -262,7 +278,7 @@ class NodeWatcher:
         elif event.kind == "backoff":
             self.log.record("worker-restart", f"restarting the worker in {event.seconds}s", runtime.name)
         elif event.kind == "failed":
-            self.health.fail(runtime, f"crash loop: {status.last_status}")
+            await self.health.fail_gone(runtime, f"crash loop: {status.last_status}", event)
             self.fleet.hooks.worker_lost(runtime.name, True)
 
 
@@ -282,7 +298,8 @@ class Fleet:
         self.hooks = hooks
         self.health = WorkerHealth(log, client, hooks.in_use, hooks.node_ready, probe)
         self.nodes = {node.name: NodeRuntime(node=node, remote=reach(node), status=NodeStatus(
-            name=node.name, host=node.host or "localhost", kind=node.kind, rpc_port=node.rpc_port))
+            name=node.name, host=node.host or "localhost", kind=node.kind, rpc_port=node.rpc_port,
+            backend=node.backend, mem_cap=node.memory))  # backend: until the probe chooses one for `auto`
             for node in inventory.nodes}
         self.parallel = asyncio.Semaphore(PARALLEL_NODES)
         self.local_flags = local_cpu_flags()

@@ -46,6 +46,11 @@ class NodeRuntime:
     offset: int = 0                           # bytes of the worker's events.jsonl handled so far
     down_since: float | None = None           # when the connection to it was lost (monotonic)
     killed_for: str | None = None             # why the controller killed its worker, until that exit is seen
+    # Failed for a reason that does not pass by itself (a worker built for another CPU): tried again only when
+    # asked (`up`), never on a timer.
+    held: bool = False
+    built_for: str | None = None              # the -march its worker was built with, when known
+    features: frozenset[str] = frozenset()    # its CPU's features, as probed
 
     @property
     def name(self) -> str:
@@ -73,15 +78,27 @@ class WorkerHealth:
         self.log.notify()
         self.on_ready(runtime.name)
 
-    def fail(self, runtime: NodeRuntime, reason: str) -> None:
-        """Leave the node out (its life tries it again later)."""
+    def fail(self, runtime: NodeRuntime, reason: str, *, held: bool = False) -> None:
+        """Leave the node out: its life tries it again later, or with ``held`` only when `up` asks."""
         runtime.ready.clear()
+        runtime.held = held
         runtime.status.state = NodeState.FAILED
         runtime.status.last_error = reason
         runtime.status.failures += 1
         runtime.outcomes += 1
         runtime.failed.set()
-        self.log.record("node-failed", f"{reason}; node excluded, tried again later", runtime.name)
+        then = "tried again on the next `ggml-cluster up`" if held else "tried again later"
+        self.log.record("node-failed", f"{reason}; node excluded, {then}", runtime.name)
+
+    async def fail_gone(self, runtime: NodeRuntime, reason: str, last: worker.WorkerEvent | None = None) -> None:
+        """Leave out a node whose supervisor gave up, for the reason it gave (``last``, else its last event) when it
+        gave one that no retry would change: a worker built for another CPU."""
+        if last is None and runtime.spec is not None:
+            last = await worker.last_event(runtime.remote, runtime.spec)
+        if last is not None and last.kind == "failed" and last.cause == worker.ILLEGAL_INSTRUCTION:
+            self.fail(runtime, worker.wrong_cpu(runtime.name, runtime.built_for, runtime.features), held=True)
+        else:
+            self.fail(runtime, reason)
 
     async def until_ready(self, runtime: NodeRuntime, stopping: Callable[[], bool]) -> None:
         """Probe a starting worker until it answers HELLO (ready), answers wrongly or not in time (failed)."""
@@ -132,7 +149,7 @@ class WorkerHealth:
             except ConnectError:
                 return False  # the node's connection is down: it reconnects, and is waited for a while
             if supervisor is None:
-                self.fail(runtime, f"its worker and supervisor are gone ({exc})")
+                await self.fail_gone(runtime, f"its worker and supervisor are gone ({exc})")
                 return False
             if isinstance(exc, WorkerDown):
                 # Died a moment ago and its supervisor's "exit" is still on the way: killing it again now

@@ -90,6 +90,8 @@ class RequestRunner:
         self.lock = Turns()  # requests together; a re-plan between requests alone
         self.served = 0
         self.prompt_tokens_shared = 0  # prompt tokens copied from another sequence's KV cells, not evaluated
+        self.completion_tokens = 0  # generated, in every request
+        self.completion_tokens_batched = 0  # of them, from a decode step that carried another sequence too
         self.waiting = 0            # in flight: generating, or queued behind those that are
         self.admission = Admission(parallel, queue, log.notify)
         self.recoveries = 0
@@ -225,6 +227,8 @@ class RequestRunner:
 
     def _note_token(self, progress: RequestProgress, answer: Token) -> None:
         progress.generated.append(answer.token)
+        self.completion_tokens += 1
+        self.completion_tokens_batched += int(answer.batch > 1)
         if progress.first_token_s is None:
             progress.first_token_s = time.perf_counter() - progress.started
         last = progress.recoveries[-1] if progress.recoveries else None

@@ -127,12 +127,14 @@ class TokenLogprobs(TopLogprob):
 
 @dataclass(frozen=True)
 class Token:
-    """One new token and the text it completes (multi-byte characters arrive whole); its logprobs when asked."""
+    """One new token and the text it completes (multi-byte characters arrive whole); its logprobs when asked;
+    ``batch``: the sequences the decode step that gave it carried (1: decoded alone)."""
 
     id: int
     token: int
     text: str
     logprobs: TokenLogprobs | None = None
+    batch: int = 1
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,7 @@ class Scheduler:
                     self._release(plan.slot)
             return
         for plan in planned:
-            self._advance(plan)
+            self._advance(plan, len(planned))
 
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
@@ -344,7 +344,8 @@ class Scheduler:
                 raise PersistentComputeFailure(f"{failure.endpoint} failed the same step {attempt + 1} times")
             time.sleep(RETRY_DELAYS_S[attempt])
 
-    def _advance(self, plan: _Planned) -> None:
+    def _advance(self, plan: _Planned, batch: int) -> None:
+        """Take a step's result for one slot; ``batch``: the sequences that step carried."""
         slot = plan.slot
         if self.slots[slot.seq] is not slot:
             return
@@ -369,10 +370,11 @@ class Scheduler:
                 return
         if slot.prompt_done is None:
             slot.prompt_done = time.perf_counter()
-        self._sample(slot, plan.index)
+        self._sample(slot, plan.index, batch)
 
-    def _sample(self, slot: Slot, index: int) -> None:
-        """The slot's next token from the logits at ``index``, or its end."""
+    def _sample(self, slot: Slot, index: int, batch: int) -> None:
+        """The slot's next token from the logits at ``index`` of a step that carried ``batch`` sequences, or its
+        end."""
         slot.pending = None
         if slot.generated >= slot.budget:
             self._finish(slot, "length")
@@ -385,7 +387,8 @@ class Scheduler:
         slot.accept(token)
         slot.generated += 1
         # Read before the next step overwrites the logits.
-        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), slot.explain(logits, token)))
+        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), slot.explain(logits, token),
+                        batch))
         if slot.generated < slot.budget:
             slot.pending = token
         else:

@@ -30,6 +30,8 @@ from typing import TextIO
 
 from core.errors import DeployError
 from core.nodes.patches import STOCK, apply_patches, flavour, patches_digest
+from core.nodes.target import Target, cross_compiler, cross_flags, native, toolchain_file
+from core.nodes.toolkit import backend_cmake_args, key_suffix
 from core.version import Version
 
 PACKAGE = "llama-cpp-python"
@@ -59,6 +61,9 @@ Progress = Callable[[str, float | None], None]
 # Less free space than this after a failed build means the build ran out of it (a CPU build needs ~15 MB).
 LOW_SPACE = 32 << 20
 OUTPUT_KEPT = 400  # lines of a build's output kept to find why it failed (a configure prints ~60)
+# A compiler's or linker's error diagnostic (gcc, clang, nvcc: "file:line:col: error: ...", "fatal error: ...",
+# "collect2: error: ..."), not a command line that merely holds -Werror.
+COMPILER_ERROR = re.compile(r"\berror:")
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,13 @@ def pinned_version() -> str:
 
 
 def build_key(version: str, backend: str, system: str | None = None, machine: str | None = None, *,
-              stock: bool = False) -> str:
-    """The cache key of one worker build: ``0.3.36-p<digest>-linux-x86_64-cpu``, or ``0.3.36-stock-…``."""
+              stock: bool = False, cpu_arch: str | None = None) -> str:
+    """The cache key of one worker build: ``0.3.36-p<digest>-linux-x86_64-cpu``, or ``0.3.36-stock-…``; a cross
+    build's ends in the -march it was built with (``…-linux-aarch64-cpu-armv8.2-a+dotprod+fp16``)."""
     system = (system or platform.system()).lower()
     machine = (machine or platform.machine()).lower()
-    return f"{version}-{flavour(stock=stock)}-{system}-{machine}-{backend}"
+    return f"{version}-{flavour(stock=stock)}-{system}-{machine}-{backend}{key_suffix(backend)}" + (
+        f"-{cpu_arch}" if cpu_arch else "")
 
 
 def project_name(version: str, *, stock: bool = False) -> str:
@@ -224,41 +231,56 @@ def source_protocol(version: str, progress: Progress, *, stock: bool = False) ->
     return parse_protocol(header.read_text())
 
 
-def cached_worker(backend: str = "cpu", *, stock: bool = False) -> WorkerBinary | None:
-    """This machine's ggml-rpc-server for ``backend`` if it is already built, else None."""
-    key = build_key(pinned_version(), backend, stock=stock)
+def _target_key(version: str, backend: str, target: Target | None, *, stock: bool = False) -> str:
+    if target is None:
+        return build_key(version, backend, stock=stock)
+    return build_key(version, backend, target.system, target.arch, stock=stock, cpu_arch=target.cpu_arch)
+
+
+def cached_worker(backend: str = "cpu", *, stock: bool = False, target: Target | None = None) -> WorkerBinary | None:
+    """The ggml-rpc-server for ``backend`` (this machine's, or a cross build for ``target``) if it is already built,
+    else None."""
+    key = _target_key(pinned_version(), backend, target, stock=stock)
     home = cache_dir() / "bin" / key
     if not ((home / TARGET).is_file() and (home / "manifest.json").is_file()):
         return None
     return WorkerBinary(home / TARGET, key, Version(**json.loads((home / "manifest.json").read_text())["protocol"]))
 
 
-def worker_binary(backend: str = "cpu", progress: Progress | None = None, *, stock: bool = False) -> WorkerBinary:
-    """This machine's ggml-rpc-server for ``backend``, built on first use and cached.
+def worker_binary(backend: str = "cpu", progress: Progress | None = None, *, stock: bool = False,
+                  target: Target | None = None) -> WorkerBinary:
+    """This machine's ggml-rpc-server for ``backend``, built on first use and cached; with a cross ``target``, one
+    cross-built here for that node (see core.nodes.target).
 
     ``stock``: from llama.cpp as shipped, without the patches, for compatibility tests and benchmarks (never
     what `up` deploys)."""
     report: Progress = progress or (lambda _message, _fraction: None)
     if backend not in BACKEND_FLAGS:
         raise DeployError(f"unknown backend '{backend}'", f"fix: use one of {', '.join(BACKEND_FLAGS)}")
-    found = cached_worker(backend, stock=stock)
+    if target is not None and not target.cross:
+        target = None  # this machine's own build
+    found = cached_worker(backend, stock=stock, target=target)
     if found is not None:
         return found
     version = pinned_version()
-    key = build_key(version, backend, stock=stock)
+    key = _target_key(version, backend, target, stock=stock)
     try:
         with _locked(cache_dir() / "bin" / f"{key}.lock"):
-            found = cached_worker(backend, stock=stock)
+            found = cached_worker(backend, stock=stock, target=target)
             if found is not None:
                 return found
             home = cache_dir() / "bin" / key
             protocol = source_protocol(version, report, stock=stock)
+            toolkit_args, toolkit_facts = backend_cmake_args(backend, cache_dir(), report)
             manifest = json.dumps({
                 "key": key, "version": version, "backend": backend, "built_at": time.time(),
                 "patches": STOCK if stock else patches_digest(),
                 "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
+                "target": (target or native()).key_part(), "cpu_arch": target.cpu_arch if target else "native",
+                **toolkit_facts,
             })
-            _compile(worker_source(version, report, stock=stock), key, backend, home, manifest, report=report)
+            _compile(worker_source(version, report, stock=stock), key, backend, home, manifest, report=report,
+                     target=target, toolkit_args=toolkit_args)
     except OSError as exc:
         reason = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
         raise DeployError(f"cannot build the worker in {cache_dir()}: {reason}",
@@ -266,7 +288,8 @@ def worker_binary(backend: str = "cpu", progress: Progress | None = None, *, sto
     return WorkerBinary(home / TARGET, key, protocol)
 
 
-def _compile(project: Path, key: str, backend: str, home: Path, manifest: str, *, report: Progress) -> None:
+def _compile(project: Path, key: str, backend: str, home: Path, manifest: str, *, report: Progress,
+             target: Target | None = None, toolkit_args: tuple[str, ...] = ()) -> None:
     builds = cache_dir() / "build"
     builds.mkdir(parents=True, exist_ok=True)
     build = builds / key
@@ -275,8 +298,11 @@ def _compile(project: Path, key: str, backend: str, home: Path, manifest: str, *
         raise DeployError("cmake is not installed on this machine",
                           "fix: apt-get install cmake g++ (or your OS's package of cmake and a C++ compiler)")
     generator = ("-G", "Ninja") if shutil.which("ninja") else ()
-    configure = ["cmake", "-S", str(project), "-B", str(build), *generator, *BASE_FLAGS, *BACKEND_FLAGS[backend]]
-    compile_ = ["cmake", "--build", str(build), "--target", TARGET, "--parallel", str(os.cpu_count() or 1)]
+    configure = ["cmake", "-S", str(project), "-B", str(build), *generator, *BASE_FLAGS, *BACKEND_FLAGS[backend],
+                 *toolkit_args, *_cross_configure(target, builds / f"{key}.toolchain.cmake")]
+    # CMake's own variable, when set, caps the jobs: a CUDA build at one job leaves a small machine usable.
+    jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
+    compile_ = ["cmake", "--build", str(build), "--target", TARGET, "--parallel", jobs]
     with log_path.open("w") as log:
         report(f"configuring {key}", 0.0)
         _run_logged(configure, log, log_path, lambda _line: None, backend)
@@ -294,6 +320,19 @@ def _compile(project: Path, key: str, backend: str, home: Path, manifest: str, *
     report(f"built {TARGET} ({key})", 1.0)
 
 
+def _cross_configure(target: Target | None, toolchain: Path) -> tuple[str, ...]:
+    """A cross build's extra CMake arguments (none for a native one); writes its toolchain file."""
+    if target is None or not target.cross:
+        return ()
+    compiler = cross_compiler(target.system, target.arch)
+    if compiler is None or not compiler.found():
+        package = compiler.package if compiler else f"a cross compiler for {target.arch}"
+        raise DeployError(f"no cross compiler here for {target.system}/{target.arch}",
+                          f"fix: apt-get install {package}")
+    toolchain.write_text(toolchain_file(compiler, target.arch))
+    return (f"-DCMAKE_TOOLCHAIN_FILE={toolchain}", *cross_flags(target))
+
+
 def _report_line(line: str, key: str, report: Progress) -> None:
     fraction = parse_progress(line)
     if fraction is not None:
@@ -303,13 +342,19 @@ def _report_line(line: str, key: str, report: Progress) -> None:
 def failure_reason(output: Iterable[str]) -> str | None:
     """The line of a build's output that says why it failed: the message under CMake's first "CMake Error"
     (e.g. "Could NOT find Vulkan (missing: glslc)"; its last error line is "Configuring incomplete, errors
-    occurred!"), else the last line that names an error (the compiler's)."""
+    occurred!"), else the compiler's first error (the cause: the errors after it are mostly its consequences,
+    e.g. "'LayerSettingEXT' is not a member of 'vk'", then "'layer_setting_info' was not declared"), else the
+    last line that names an error (a tool's own, e.g. make's "Error 2")."""
     lines = list(output)
     for index, line in enumerate(lines):
         if line.lstrip().startswith("CMake Error"):
             return next((text.strip() for text in lines[index + 1:] if text.strip()), line.strip())
+    diagnostic = next((line.strip() for line in lines if COMPILER_ERROR.search(line)), None)
+    if diagnostic is not None:
+        return diagnostic
     errors = [line.strip() for line in lines if "error" in line.lower()]
     return errors[-1] if errors else None
+
 
 
 def _run_logged(command: list[str], log: TextIO, log_path: Path, on_line: Callable[[str], None],

@@ -30,8 +30,10 @@ from core.nodes.build import (
     worker_binary,
 )
 from core.nodes.patches import patches_digest
-from core.nodes.probe import NodeFacts, choose_backend, install_hint
+from core.nodes.probe import NodeFacts, install_hint, node_backend
 from core.nodes.shell import PIDS, Remote, free_bytes, shell_command
+from core.nodes.target import Target, cross_compiler, cross_target, native
+from core.nodes.toolkit import check_rocm_on, remote_toolkit_script
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class Deployment:
     binary: str
     key: str
     backend: str
-    how: str     # cached | pushed | built | installed (planned: push | remote)
-    reason: str  # why this backend
+    how: str     # cached | pushed | cross-built | built | installed (planned: push | cross | remote)
+    reason: str  # why this backend (and for a cross build, its -march)
+    target: Target | None = None  # a cross build's target: the node's arch and -march
 
 
 def push_refusal(facts: NodeFacts, backend: str, local_flags: frozenset[str]) -> str | None:
@@ -73,8 +76,7 @@ async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: 
     """How the node gets its worker, without changing anything: ``how`` is the plan
     (cached | push | remote | installed, and for a local node: cached | build here); raises DeployError when
     no way works. A local node's ``build.path`` must be resolved already (against the inventory's folder)."""
-    backend, reason = (node.backend, f"backend: {node.backend} in the inventory") if node.backend != "auto" \
-        else choose_backend(facts)
+    backend, reason = node_backend(node.backend, facts)
     key = build_key(pinned_version(), backend, facts.os.system, facts.arch)
     if isinstance(node.build, BuildPath):
         path = node_root(remote, node.build.path) if node.build.path.startswith("~") else node.build.path
@@ -88,17 +90,39 @@ async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: 
         if found is not None:
             return Deployment(str(found.path), key, backend, "cached", reason)
         _check_toolchain(node, facts)
+        if backend == "rocm":
+            await check_rocm_on(remote, f"here for node {node.name}")
         return Deployment(str(cache_dir() / "bin" / key / TARGET), key, backend, "build here", reason)
+    refusal = push_refusal(facts, backend, local_flags)
+    compiler = cross_compiler(facts.os.system, facts.arch) if backend == "cpu" else None
+    cross = compiler is not None and compiler.found() and facts.arch != native().arch
+    mode = node.build if node.build != "auto" else "push" if refusal is None or cross else "remote"
+    if mode == "push" and refusal is not None:
+        if not cross:
+            hint = f"apt-get install {compiler.package} here to cross-build, or " if compiler else ""
+            raise DeployError(f"node {node.name}: cannot push this machine's build: {refusal}",
+                              f"fix: {hint}use build: remote (or auto) to build on the node")
+        target = cross_target(facts.os.system, facts.arch, facts.cpu.flags)
+        key = build_key(pinned_version(), backend, facts.os.system, facts.arch, cpu_arch=target.cpu_arch)
+        how = "cached" if await _present(remote, f"{root}/bin/{key}") else "cross"
+        return Deployment(f"{root}/bin/{key}/{TARGET}", key, backend, how,
+                          f"{reason}; cross-built here with -march={target.cpu_arch}", target)
     binary = f"{root}/bin/{key}/{TARGET}"
     if await _present(remote, f"{root}/bin/{key}"):
         return Deployment(binary, key, backend, "cached", reason)
-    refusal = push_refusal(facts, backend, local_flags)
-    mode = node.build if node.build != "auto" else ("push" if refusal is None else "remote")
-    if mode == "push" and refusal is not None:
-        raise DeployError(f"node {node.name}: cannot push this machine's build: {refusal}",
-                          "fix: use build: remote (or auto) to build on the node")
     if mode == "remote":
-        _check_toolchain(node, facts)
+        if compiler is not None and node.build == "auto":
+            reason = f"{reason}; no cross compiler here ({compiler.package}), so built on the node (slow)"
+        try:
+            _check_toolchain(node, facts)
+        except DeployError as exc:
+            if compiler is None or node.build != "auto":
+                raise
+            raise DeployError(f"{exc.message}, and this machine has no cross compiler for {facts.arch}",
+                              f"fix: apt-get install {compiler.package} here (it cross-builds the worker in about a "
+                              f"minute), or on the node: {(exc.hint or '').removeprefix('fix: ')}") from None
+        if backend == "rocm":  # said in one line now, not after the upload and a failed cmake
+            await check_rocm_on(remote, f"on node {node.name}")
     return Deployment(binary, key, backend, mode, reason)
 
 
@@ -107,7 +131,7 @@ def _check_toolchain(node: Node, facts: NodeFacts) -> None:
     missing = [tool for tool, found in (("cmake", facts.toolchain.cmake), ("c++", facts.toolchain.cxx)) if not found]
     if missing:
         raise DeployError(f"node {node.name}: {' and '.join(missing)} not found, needed to build the worker there",
-                          f"fix: {install_hint(facts.os, missing[0])}")
+                          f"fix: {install_hint(facts.os, *missing)}")
 
 
 async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str, *, local_flags: frozenset[str],
@@ -126,16 +150,20 @@ async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str,
     async with node_lock(remote, f"{home}.lock", progress):
         if await _present(remote, home):
             return replace(plan, how="cached")
-        if plan.how == "push":
-            local = await asyncio.to_thread(worker_binary, "cpu", progress)
+        if plan.how in ("push", "cross"):
+            try:
+                local = await asyncio.to_thread(worker_binary, "cpu", progress, target=plan.target)
+            except DeployError as exc:
+                raise DeployError(f"node {node.name}: {exc.message}", exc.hint) from None
             progress(f"pushing {TARGET} to {node.name}", None)
             await remote.upload(local.path, f"{home}.partial/{TARGET}", 0o755)
-            how = "pushed"
+            how = "pushed" if plan.target is None else "cross-built"
         else:
             await _build_on_node(remote, node, root, key=plan.key, backend=plan.backend, progress=progress)
             how = "built"
         manifest = json.dumps({"key": plan.key, "version": pinned_version(), "backend": plan.backend, "how": how,
-                               "patches": patches_digest()})
+                               "patches": patches_digest(),
+                               "cpu_arch": plan.target.cpu_arch if plan.target else "native"})
         installed = await remote.run(
             f"cd {shell_command([root + '/bin'])} && printf '%s' {shell_command([manifest])} > "
             f"{shell_command([plan.key + '.partial/manifest.json'])} && rm -rf {shell_command([plan.key])} && "
@@ -238,10 +266,10 @@ async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, bac
         f" && mv {q([src + '.partial', src])}; fi; "
         "gen=; command -v ninja >/dev/null 2>&1 && gen='-G Ninja'; "
         "jobs=$(getconf _NPROCESSORS_ONLN 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2); "
-        f"(cmake -S {q([src])} -B {q([build])} $gen {flags} && "
+        f"(({remote_toolkit_script(backend, root)}\ncmake -S {q([src])} -B {q([build])} $gen {flags} \"$@\" && "
         f"cmake --build {q([build])} --target {TARGET} --parallel \"$jobs\" && "
         f"mkdir -p {q([root + '/bin/' + key + '.partial'])} && "
-        f"cp {q([build + '/' + TARGET, root + '/bin/' + key + '.partial/'])}; echo \"==exit $?\") 2>&1 | "
+        f"cp {q([build + '/' + TARGET, root + '/bin/' + key + '.partial/'])}); echo \"==exit $?\") 2>&1 | "
         f"tee {q([log])}"
     )
     progress(f"building {TARGET} on {node.name}", 0.0)
@@ -261,6 +289,21 @@ async def _build_on_node(remote: Remote, node: Node, root: str, *, key: str, bac
         raise DeployError(f"node {node.name}: building {TARGET} ({backend}) failed: {reason}",
                           f"fix: free space on the node or set its workdir to a larger disk; see {log} there"
                           if full else f"see {log} on the node")
+
+
+async def built_for(remote: Remote, deployment: Deployment) -> str | None:
+    """The -march a node's worker was built with: a cross build's, else what the manifest beside the binary says
+    (``native``: for the CPU it was built on); None when unknown (a binary installed by hand)."""
+    if deployment.target is not None:
+        return deployment.target.cpu_arch
+    folder = deployment.binary.rsplit("/", 1)[0]
+    found = await remote.run(f"cat {shell_command([folder + '/manifest.json'])} 2>/dev/null")
+    try:
+        manifest = json.loads(found.stdout) if found.code == 0 else {}
+    except json.JSONDecodeError:
+        return None
+    value = manifest.get("cpu_arch") if isinstance(manifest, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def deployable(inventory: Inventory, node: Node) -> Node:

@@ -42,7 +42,12 @@ class VulkanDevice:
     @property
     def is_gpu(self) -> bool:
         """False for software rasterisers (llvmpipe, lavapipe, SwiftShader), which Vulkan lists as devices."""
-        return self.device_type != "cpu" and not _SOFTWARE_RENDERER.search(self.name)
+        return self.device_type != "cpu" and not software_renderer(self.name)
+
+
+def software_renderer(name: str) -> bool:
+    """Whether a Vulkan device name is a software rasteriser's (llvmpipe, lavapipe, SwiftShader): the CPU."""
+    return _SOFTWARE_RENDERER.search(name) is not None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from core.nodes.gpus import (
     GIB,
     NVIDIA_SMI_FIELDS,
     Gpu,
+    VulkanDevice,
     parse_nvidia_smi_csv,
     parse_nvidia_smi_table,
     parse_rocm_smi_csv,
@@ -24,6 +25,7 @@ from core.nodes.gpus import (
     parse_vulkaninfo_summary,
 )
 from core.nodes.shell import Remote
+from core.nodes.target import ARM64, parse_auxv
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class NodeFacts:
     toolchain: Toolchain
     vulkan: bool  # a real (not software) GPU answers through Vulkan
     disk_free: int | None  # bytes free in $HOME
+    # Every device `vulkaninfo --summary` lists, software ones (llvmpipe) too: a `backend: vulkan` worker on a node
+    # with software devices only is shown them with GGML_VK_VISIBLE_DEVICES (core.nodes.devices).
+    vulkan_devices: tuple[VulkanDevice, ...] = ()
 
 
 _TOOLCHAIN_SECTIONS = (
@@ -90,6 +95,8 @@ _HARDWARE_SECTIONS = (
     ("macos-version", "sw_vers -productVersion"),
     # Only the first copy of each line: flags repeat for every core and a big server's cpuinfo is ~1 MB.
     ("cpuinfo", "awk '!seen[$0]++' /proc/cpuinfo"),
+    # The CPU features the kernel (or qemu-user) gives a process, as ggml reads them (getauxval); glibc only.
+    ("auxv", "LD_SHOW_AUXV=1 /bin/true | grep '^AT_HWCAP'"),
     ("sysctl", r"""[ "$(uname -s)" = Darwin ] && sysctl -a | grep -E '^(hw\.|machdep\.cpu\.)'"""),
     ("meminfo", "cat /proc/meminfo"),
     ("df", 'df -Pk "$HOME"'),
@@ -195,6 +202,16 @@ def _name_arm_core(fields: dict[str, str]) -> str:
     return f"{board} ({core})" if board else core
 
 
+def arm_cpu(cpu: CpuInfo, cpuinfo: str, auxv: str) -> CpuInfo:
+    """An arm64 node's CPU: its features from HWCAP (what ggml itself reads; else the Features line), never an x86
+    ``flags`` line. Under qemu-user /proc/cpuinfo is the host's: its x86 model is not the node's either."""
+    emulated = re.search(r"^flags\s*:", cpuinfo, re.M) is not None and not re.search(r"^Features\s*:", cpuinfo, re.M)
+    hwcap = parse_auxv(auxv)
+    features = hwcap if hwcap is not None else frozenset() if emulated else cpu.flags
+    model = "arm64 CPU (emulated; /proc/cpuinfo is the host's)" if emulated else cpu.model
+    return CpuInfo(model, cpu.cores, features)
+
+
 def parse_meminfo(text: str) -> MemInfo:
     """Total and available memory from /proc/meminfo; without MemAvailable, available = MemFree + Buffers + Cached."""
     kib: dict[str, int] = {}
@@ -263,18 +280,21 @@ def parse_node(text: str) -> NodeFacts:
     else:
         os_info = parse_os_release(sections.get("os-release", ""))
         cpu, memory = parse_cpuinfo(sections.get("cpuinfo", "")), parse_meminfo(sections.get("meminfo", ""))
+        if arch in ARM64:
+            cpu = arm_cpu(cpu, sections.get("cpuinfo", ""), sections.get("auxv", ""))
     gpus = list(parse_nvidia_smi_csv(sections.get("nvidia-smi", "")))
     if not gpus:
         gpus = list(parse_nvidia_smi_table(sections.get("nvidia-smi-table", "")))
     gpus += parse_rocm_smi_csv(sections.get("rocm-smi", ""))
     gpus += [adapter.gpu for adapter in parse_system_profiler_displays(sections.get("system_profiler", ""))]
-    vulkan_gpus = [device for device in parse_vulkaninfo_summary(sections.get("vulkaninfo", "")) if device.is_gpu]
+    vulkan_devices = parse_vulkaninfo_summary(sections.get("vulkaninfo", ""))
+    vulkan_gpus = [device for device in vulkan_devices if device.is_gpu]
     # A vendor's own tool knows the memory; Vulkan only adds GPUs that no such tool reported (e.g. Intel).
     covered = {gpu.vendor for gpu in gpus}
     gpus += [Gpu(device.vendor, device.name, None, None, device.index, unified=device.device_type == "integrated")
              for device in vulkan_gpus if device.vendor not in covered]
     return NodeFacts(os_info, arch, cpu, memory, tuple(gpus), parse_toolchain(text), bool(vulkan_gpus),
-                     parse_df(sections.get("df", "")))
+                     parse_df(sections.get("df", "")), vulkan_devices)
 
 
 def choose_backend(facts: NodeFacts) -> tuple[str, str]:
@@ -302,6 +322,11 @@ def choose_backend(facts: NodeFacts) -> tuple[str, str]:
     return "cpu", "; ".join(notes)
 
 
+def node_backend(wanted: str, facts: NodeFacts) -> tuple[str, str]:
+    """(backend, reason) for a node whose inventory asks for ``wanted``: that one, or for ``auto`` choose_backend's."""
+    return (wanted, f"backend: {wanted} in the inventory") if wanted != "auto" else choose_backend(facts)
+
+
 def _describe(gpus: Sequence[Gpu]) -> str:
     labels = Counter(_label(gpu) for gpu in gpus)
     return ", ".join(label if count == 1 else f"{count}x {label}" for label, count in labels.items())
@@ -314,15 +339,17 @@ def _label(gpu: Gpu) -> str:
     return f"{name} (unified memory)" if gpu.unified else name
 
 
-def install_hint(os: OsInfo, missing: str) -> str:
-    """A command that installs a missing build tool ("cmake" or "c++") on this OS."""
+def install_hint(os: OsInfo, *missing: str) -> str:
+    """One command that installs every missing build tool ("cmake", "c++") on this OS."""
     if os.system == "darwin":
-        return "xcode-select --install" if missing == "c++" else f"brew install {missing}"
+        brewed = " ".join(tool for tool in missing if tool != "c++")
+        commands = ["xcode-select --install"] if "c++" in missing else []
+        return " && ".join([*commands, f"brew install {brewed}"] if brewed else commands)
     manager = "apt-get" if os.distro_id in _APT_DISTROS else "dnf" if os.distro_id in _DNF_DISTROS else None
     if manager is None:
-        what = "a C++ compiler (g++ or clang++)" if missing == "c++" else missing
+        what = " and ".join("a C++ compiler (g++ or clang++)" if tool == "c++" else tool for tool in missing)
         return f"install {what} with the system's package manager"
-    return f"sudo {manager} install -y {_PACKAGES[manager].get(missing, missing)}"
+    return f"sudo {manager} install -y {' '.join(_PACKAGES[manager].get(tool, tool) for tool in missing)}"
 
 
 PARALLEL_NODES = 16  # nodes connected, probed and deployed at once

@@ -169,25 +169,53 @@ class SshRemote:
             process.close()
 
     async def upload(self, source: Path, destination: str, mode: int = 0o644) -> None:
-        """Copy a file to the node over SFTP, then rename it into place (never half-written)."""
+        """Copy a file to the node, then rename it into place (never half-written): over SFTP, or where the node's
+        sshd has no SFTP subsystem (Dropbear and minimal sshds), through `cat` on a plain session."""
         partial = f"{destination}.partial"
         folder = str(Path(destination).parent)
         try:
-            async with self._connection().start_sftp_client() as sftp:
-                await sftp.makedirs(folder, exist_ok=True)
-                await sftp.put(str(source), partial)
-                await sftp.chmod(partial, mode)
-                await sftp.posix_rename(partial, destination)
+            try:
+                sftp = await self._connection().start_sftp_client()
+            except asyncssh.Error:  # refused ("Session request failed"), or its server is missing and exits at once
+                problem = await self._upload_over_session(source, destination, partial, mode)
+            else:
+                problem = ""
+                async with sftp:
+                    await sftp.makedirs(folder, exist_ok=True)
+                    await sftp.put(str(source), partial)
+                    await sftp.chmod(partial, mode)
+                    await sftp.posix_rename(partial, destination)
         except (asyncssh.Error, OSError) as exc:
-            # SFTP reports a full disk as a bare "Failure": ask the node, and do not leave the part behind.
-            with contextlib.suppress(ConnectError):
-                await self.run(f"rm -f {shell_command([partial])}")
-            free = await free_bytes(self, folder)
-            if free is not None and free < source.stat().st_size:
-                raise DeployError(f"node {self.name}: the disk is full: {source.name} needs "
-                                  f"{source.stat().st_size >> 20} MiB, {folder} has {free >> 20} MiB free",
-                                  "fix: free space on the node, or set its workdir to a larger disk") from None
-            raise ConnectError(f"node {self.name}: upload of {source.name} failed: {exc}") from None
+            problem = str(exc)
+        if not problem:
+            return
+        # SFTP reports a full disk as a bare "Failure", cat as a write error: ask the node, and do not leave the
+        # part behind.
+        with contextlib.suppress(ConnectError):
+            await self.run(f"rm -f {shell_command([partial])}")
+        free = await free_bytes(self, folder)
+        if free is not None and free < source.stat().st_size:
+            raise DeployError(f"node {self.name}: the disk is full: {source.name} needs "
+                              f"{source.stat().st_size >> 20} MiB, {folder} has {free >> 20} MiB free",
+                              "fix: free space on the node, or set its workdir to a larger disk")
+        raise ConnectError(f"node {self.name}: upload of {source.name} failed: {problem}")
+
+    async def _upload_over_session(self, source: Path, destination: str, partial: str, mode: int) -> str:
+        """`upload` without SFTP: the file on the stdin of `cat > partial`, its size checked before it is renamed
+        into place (a connection lost midway ends cat as the file's end would). What went wrong, or ""."""
+        size = source.stat().st_size
+        command = (f"mkdir -p {shell_command([str(Path(destination).parent)])} && cat > {shell_command([partial])} "
+                   f"&& got=$(wc -c < {shell_command([partial])}) && {{ [ $got -eq {size} ] || "
+                   f"{{ echo \"received $got of {size} bytes\" >&2; false; }}; }} && "
+                   f"chmod {mode:o} {shell_command([partial])} && mv -f {shell_command([partial, destination])}")
+        result = await self._connection().run(command, stdin=source, encoding=None, check=False)
+        if result.exit_status == 0:
+            return ""
+        raw = result.stderr or b""  # bytes: the session runs without an encoding, so the file goes as it is
+        stderr = (raw.decode(errors="replace") if isinstance(raw, bytes) else raw).strip()
+        if stderr:
+            return stderr.splitlines()[-1]
+        return "the session ended early" if result.exit_status is None else f"exit status {result.exit_status}"
 
     async def port_open(self, port: int, host: str = "127.0.0.1") -> bool:
         """Whether something listens on the node's host:port (asked from the node's side)."""

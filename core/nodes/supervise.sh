@@ -56,6 +56,13 @@ while :; do
     if [ "$stopping" = 1 ]; then finish stopped ",\"code\":$code"; fi
     now=$(date +%s)
     emit exit ",\"code\":$code,\"ran_s\":$((now - started)),\"log_offset\":$((offset + 0))"
+    # SIGILL (128 + 4): the binary uses instructions this CPU lacks (built with the wrong -march). It dies the same
+    # way every time, so it is not restarted: the controller reports it once.
+    if [ "$code" = 132 ]; then
+        emit failed ",\"exits\":1,\"window_s\":$window,\"cause\":\"illegal-instruction\""
+        rm -f supervisor.pid
+        exit 1
+    fi
 
     recent=0 kept=
     for t in $exits $now; do

@@ -14,9 +14,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import DeployError
+from core.errors import DeployError, MissingDevice
 from core.inventory import Inventory, Node
 from core.nodes.deploy import node_root
+from core.nodes.devices import LIST_DEVICE, LISTING_ENV, Device, backend_devices, device_problem, parse_devices
 from core.nodes.shell import PIDS, Remote, shell_command
 from core.state import StateDir
 
@@ -54,9 +55,19 @@ class WorkerSpec:
     def command(self) -> str:
         """The worker's command as the supervisor runs it; also its identity for adoption (so the same
         inventory always renders the same command)."""
-        assignments = ([f"LLAMA_CACHE={self.cache}"] if self.cache else []) + [f"{name}={value}"
-                                                                                for name, value in self.env]
-        return shell_command([*(["env", *assignments] if assignments else []), *self.argv()])
+        return shell_command([*self._env_prefix(), *self.argv()])
+
+    def devices_command(self, backend: str) -> str:
+        """The worker binary, in the worker's environment, listing its devices (it exits without serving); with
+        what makes ``backend``'s loader say why it finds none (the node's ``env:`` still wins)."""
+        extra = [(name, value) for name, value in LISTING_ENV.get(backend, {}).items()
+                 if name not in dict(self.env)]
+        return shell_command([*self._env_prefix(extra), self.binary, "-d", LIST_DEVICE])
+
+    def _env_prefix(self, extra: list[tuple[str, str]] | None = None) -> list[str]:
+        assignments = ([f"LLAMA_CACHE={self.cache}"] if self.cache else []) + [
+            f"{name}={value}" for name, value in [*(extra or []), *self.env]]
+        return ["env", *assignments] if assignments else []
 
     def supervisor_marker(self) -> str:
         """What the supervisor's command line holds (`sh <workdir>/supervise.sh <workdir> …`)."""
@@ -79,9 +90,35 @@ class WorkerSpec:
                 "</dev/null >>supervisor.log 2>&1 &)")
 
 
-def environment(node: Node) -> tuple[tuple[str, str], ...]:
-    """A node's ``env:`` as a WorkerSpec holds it: sorted by name, whatever order the inventory wrote it in."""
-    return tuple(sorted(node.env.items()))
+def environment(node: Node, backend: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """A node's ``env:`` over what its backend needs (``backend``: core.nodes.devices.backend_environment), as a
+    WorkerSpec holds it: sorted by name, whatever order the inventory wrote it in. The node's own values win."""
+    return tuple(sorted({**(backend or {}), **node.env}.items()))
+
+
+# Hints for a worker without its backend's device, by backend.
+_DEVICE_FIXES = {
+    "cuda": "fix: install an NVIDIA driver as new as the worker's CUDA (`nvidia-smi` lists the GPU), or set "
+            "backend: cpu",
+    "rocm": "fix: check the node's ROCm driver (`rocm-smi` lists the GPU), or set backend: cpu",
+    "vulkan": "fix: install the node's Vulkan driver (`vulkaninfo --summary` lists a device), or set backend: cpu",
+    "metal": "fix: Metal needs macOS on Apple silicon; or set backend: cpu",
+}
+
+
+async def backend_device(remote: Remote, spec: WorkerSpec, backend: str) -> Device | None:
+    """The device of ``backend`` that the node's worker binary finds in the worker's environment (None for cpu).
+
+    Raises MissingDevice, in one line naming the node, the backend and the worker's own explanation, when it has
+    none: started anyway, it would serve the CPU alone and pass for a GPU worker."""
+    if backend == "cpu":
+        return None
+    result = await remote.run(f"{spec.devices_command(backend)} 2>&1", timeout=120)
+    problem = device_problem(backend, result.code, result.stdout)
+    if problem is not None:
+        raise MissingDevice(f"node {spec.node}: {problem}", _DEVICE_FIXES.get(backend))
+    found = backend_devices(backend, parse_devices(result.stdout) or ())
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +132,7 @@ class WorkerEvent:
     log_offset: int | None = None
     ran_s: int | None = None
     seconds: int | None = None
+    cause: str | None = None  # of a "failed": illegal-instruction (SIGILL), else a crash loop
 
 
 def parse_event(line: str) -> WorkerEvent | None:
@@ -107,7 +145,21 @@ def parse_event(line: str) -> WorkerEvent | None:
         return None
     fields = ("pid", "code", "log_offset", "ran_s", "seconds")
     values = {key: data[key] for key in fields if isinstance(data.get(key), int)}
-    return WorkerEvent(time=float(data.get("time", 0)), kind=data["kind"], **values)
+    cause = data.get("cause") if isinstance(data.get("cause"), str) else None
+    return WorkerEvent(time=float(data.get("time", 0)), kind=data["kind"], cause=cause, **values)
+
+
+ILLEGAL_INSTRUCTION = "illegal-instruction"
+
+
+def wrong_cpu(node: str, built_for: str | None, features: frozenset[str]) -> str:
+    """Why a worker that died of SIGILL is not restarted, in one line: what it was built for, what the node's CPU
+    has, and the way out."""
+    built = f"built with -march={built_for}" if built_for else "built for another CPU"
+    has = " ".join(sorted(features)) if features else "unknown features"
+    return (f"node {node}: the worker died of SIGILL (illegal instruction): it was {built}, and this node's CPU "
+            f"lacks an instruction it uses (the CPU has: {has}); not restarted: give the node a worker built for it "
+            "(build: auto cross-builds for its own features), then run `ggml-cluster up`")
 
 
 _ASSERT = re.compile(r"GGML_ASSERT\((?P<expr>.*)\) failed")
@@ -232,6 +284,12 @@ async def kill(remote: Remote, spec: WorkerSpec) -> None:
     workdir = shell_command([spec.workdir])
     await remote.run(f"{PIDS}\ncd {workdir} 2>/dev/null && "
                      f"send KILL \"$(ours worker.pid {shell_command([spec.worker_marker()])})\"; true")
+
+
+async def last_event(remote: Remote, spec: WorkerSpec) -> WorkerEvent | None:
+    """The supervisor's latest event (None when it has none)."""
+    result = await remote.run(f"tail -n 1 {shell_command([event_path(spec)])} 2>/dev/null")
+    return parse_event(result.stdout.strip())
 
 
 async def events_size(remote: Remote, spec: WorkerSpec) -> int:
