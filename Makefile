@@ -73,7 +73,7 @@ real-model: setup
 
 # The CUDA worker, built here without a GPU through the code `backend: cuda` uses (README: CUDA workers): the
 # system's CUDA toolkit if complete, else NVIDIA's CUDA 13 wheels from PyPI; for $GGML_CLUSTER_CUDA_ARCHITECTURES
-# (default 90: H100/H200). Cached per machine: the first build takes 35-70 minutes on 2 cores, later ones no time.
+# (default 90: H100/H200). Cached per machine: the first build takes about 30 minutes on 2 cores, later ones none.
 # CMAKE_BUILD_PARALLEL_LEVEL=1 (and nice) keeps a shared machine usable meanwhile.
 cuda-worker: setup
 	$(BIN)/python -m core.nodes.buildworker cuda

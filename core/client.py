@@ -25,7 +25,7 @@ from core.nodes import worker
 from core.nodes.build import TARGET, Progress, cache_dir, worker_binary
 from core.nodes.deploy import Deployment, decide_deployment, deployable, node_root
 from core.nodes.devices import backend_environment, describe, vulkan_device
-from core.nodes.probe import PARALLEL_NODES, NodeFacts, local_cpu_flags, probe_node
+from core.nodes.probe import PARALLEL_NODES, NodeFacts, local_cpu_flags, node_backend, probe_node
 from core.nodes.remote import remote_for
 from core.nodes.shell import Remote
 from core.nodes.worker import worker_dir
@@ -330,6 +330,8 @@ async def check(inventory: Inventory) -> list[NodeCheck]:
                 row = replace(row, system=f"{facts.os.system}/{facts.arch}",
                               hardware=f"{facts.cpu.cores} cores, {facts.memory.total / (1 << 30):.1f} GiB"
                               + (f", {gpus}" if gpus else ""))
+                backend, reason = node_backend(node.backend, facts)  # shown also when no worker can be had
+                row = replace(row, backend=backend, reason=reason)
                 plan = await decide_deployment(remote, deployable(inventory, node), facts,
                                                node_root(remote, node.workdir), flags)
                 row = replace(row, backend=plan.backend, reason=plan.reason, worker=plan.how)

@@ -5,7 +5,9 @@ Vulkan worker), each with the command `WorkerSpec.devices_command("vulkan")` ren
 ``rpc-server_list-devices_v7.0.0_vulkan-*`` (lavapipe-visible: GGML_VK_VISIBLE_DEVICES=0; lavapipe-not-visible:
 unset; no-icd: VK_ICD_FILENAMES=/nonexistent.json; invalid-index: GGML_VK_VISIBLE_DEVICES=1), the worker's start-up
 ``rpc-server_startup_v7.0.0_vulkan-lavapipe_debian12.txt`` (under `stdbuf -oL`, killed after 3 s) and
-``vulkaninfo_summary_lavapipe-only_mesa-25.0.7-bpo12_debian12.txt``. The CUDA start-up is the maintainers' example
+``vulkaninfo_summary_lavapipe-only_mesa-25.0.7-bpo12_debian12.txt``; and the CUDA 13 worker (built from PyPI's
+toolkit for sm_90) listing its devices on this machine, which has no NVIDIA driver
+(``rpc-server_list-devices_v7.0.0_cuda13-no-driver_debian12.txt``). The CUDA start-up is the maintainers' example
 from ../shared/fixtures/probe.
 """
 
@@ -36,6 +38,7 @@ from core.nodes.shell import CommandResult
 from core.nodes.testing import FakeRemote
 from core.status import NodeState
 from tests.test_recovery import cluster, model  # noqa: F401 (model: the fixture `cluster` needs)
+from tests.test_render import HEADER, healthy, screen, utc, when  # noqa: F401 (utc: times in UTC)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probe"
 LLVMPIPE = "llvmpipe (LLVM 15.0.6, 256 bits)"
@@ -77,6 +80,13 @@ def test_the_devices_a_started_worker_serves() -> None:
 ])
 def test_a_vulkan_worker_without_a_vulkan_device_says_why_in_its_own_words(case: str, why: str) -> None:
     assert device_problem("vulkan", 1, listing(case)) == f"the vulkan worker has no Vulkan device (it lists CPU): {why}"
+
+
+def test_a_cuda_worker_without_a_driver_quotes_ggml_cuda() -> None:
+    output = fixture("rpc-server_list-devices_v7.0.0_cuda13-no-driver_debian12.txt")
+    assert device_problem("cuda", 1, output) == (
+        "the cuda worker has no CUDA device (it lists CPU): ggml_cuda_init: failed to initialize CUDA: CUDA driver "
+        "version is insufficient for CUDA runtime version")
 
 
 def test_a_worker_that_cannot_list_its_devices_is_no_worker_of_its_backend() -> None:
@@ -158,3 +168,13 @@ def test_up_fails_a_node_whose_worker_lacks_its_backend_device_once_and_starts_n
             assert not [command for command in fake.remotes["n2"].commands if "supervise.sh.partial" in command]
 
     asyncio.run(scenario())
+
+
+def test_the_dashboard_shows_a_vulkan_nodes_device_under_its_row_and_says_it_is_software() -> None:
+    status = when(healthy(), pi5={"arch": "x86_64", "backend": "vulkan", "device": f"{LLVMPIPE} (software Vulkan)"})
+    assert screen(status)[len(HEADER):len(HEADER) + 4] == [
+        "NODE    BACKEND       STATE LAYERS MEMORY         LOAD MS/TOK COMPUTES RESTARTS",
+        "rtx4090 x86_64/cuda   ready 0-19   ███░ 18G/24G    88%   9.12     1210        0",
+        "pi5     x86_64/vulkan ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25     1209        0",
+        f"  └ {LLVMPIPE} (software Vulkan)",
+    ]

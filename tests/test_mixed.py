@@ -23,6 +23,7 @@ from tests.emulated import require_emulation
 from tests.harness import Cluster, run_with_fault
 from tests.sshd import NEEDS_SSHD, SshWorld
 from tests.test_hardening import gone
+from tests.test_vulkan import MESA_CACHE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), NEEDS_SSHD]
 
@@ -69,8 +70,9 @@ def cluster(world: SshWorld) -> Iterator[Cluster]:
     server = world.emulated_server(Path(tempfile.mkdtemp(prefix="pi5-", dir=world.root)), ARM_CPU)
     root = Path(tempfile.mkdtemp(prefix="gcm-", dir="/tmp"))
     arm = ["host: 127.0.0.1", f"port: {server.port}", "user: root", f"identity: {world.identity}"]
-    cluster = Cluster(root, nodes=3, ssh=[["kind: local", "backend: cpu"], arm, ["kind: local", "backend: vulkan"]],
-                      base_env=world.env(), strategy="equal", api="{port: 0, parallel: 1}")
+    vulkan = ["kind: local", "backend: vulkan", f"env: {{MESA_SHADER_CACHE_DIR: {MESA_CACHE}}}"]
+    cluster = Cluster(root, nodes=3, ssh=[["kind: local", "backend: cpu"], arm, vulkan], base_env=world.env(),
+                      strategy="equal", api="{port: 0, parallel: 1}")
     try:
         cluster.cli("up")
         yield cluster

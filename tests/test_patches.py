@@ -72,7 +72,7 @@ def test_keys_differ_by_flavour_and_by_the_patches(tmp_path: Path, monkeypatch: 
         (changed / patch.name).write_bytes(patch.read_bytes() + b"\n")
     monkeypatch.setattr(patches, "PATCHES_DIR", changed)
     assert flavour() != f"p{digest}" and flavour(stock=True) == "stock"
-    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-{flavour()}-linux-x86_64-cuda"
+    assert build_key("0.3.36", "vulkan", "Linux", "x86_64") == f"0.3.36-{flavour()}-linux-x86_64-vulkan"
 
 
 def test_patches_apply_in_order(tmp_path: Path) -> None:

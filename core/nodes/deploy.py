@@ -74,7 +74,7 @@ def node_root(remote: Remote, workdir: str | None) -> str:
 async def decide_deployment(remote: Remote, node: Node, facts: NodeFacts, root: str,
                             local_flags: frozenset[str]) -> Deployment:
     """How the node gets its worker, without changing anything: ``how`` is the plan
-    (cached | push | remote | installed, and for a local node: cached | build here); raises DeployError when
+    (cached | push | cross | remote | installed, and for a local node: cached | build here); raises DeployError when
     no way works. A local node's ``build.path`` must be resolved already (against the inventory's folder)."""
     backend, reason = node_backend(node.backend, facts)
     key = build_key(pinned_version(), backend, facts.os.system, facts.arch)

@@ -3,7 +3,7 @@
 Started, ggml-rpc-server prints the devices it serves after ``Devices:``; asked for a device it does not have
 (``-d <name>``), it prints ``available devices:`` and every device it has, then exits 1 without serving: a cheap way
 to list a node's devices before its worker starts. Each device line reads
-``  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (15903 MiB, 15903 MiB free)``. A worker built for a GPU backend whose
+``  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (24105 MiB, 22760 MiB free)``. A worker built for a GPU backend whose
 GPU its driver cannot reach still starts, and serves its CPU alone: that must not pass for the GPU worker.
 """
 

@@ -30,7 +30,7 @@ from core.errors import DeployError
 from core.nodes.shell import Remote
 
 ARCHITECTURES_ENV = "GGML_CLUSTER_CUDA_ARCHITECTURES"
-# One architecture keeps the build near half an hour on 2 cores (each more one costs about as much again). 90 is
+# One architecture keeps the build near half an hour on 2 cores (32 min measured; each more costs about as much). 90 is
 # Hopper (H100/H200), the datacenter GPU this project's GPU checks run on: real code for it starts at once, and
 # CMake's plain "90" also embeds PTX that the driver compiles for newer GPUs (Blackwell) on first use. PTX is never
 # run on an older GPU: for Ampere/Ada (RTX 30xx/40xx, A100, L4) set GGML_CLUSTER_CUDA_ARCHITECTURES, e.g. "80"
