@@ -27,6 +27,7 @@ SUITE = "bookworm"
 PACKAGES = ("procps",)
 ROOT_NAME = f"debian-{SUITE}-arm64"
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
+MOUNTS = Path("/run/ggml-cluster-tests")  # the nodes' mount points (empty folders outside their namespaces)
 NEEDS = "qemu-user-static binfmt-support debootstrap (`make test-deps` installs them and enables binfmt)"
 
 
@@ -93,7 +94,7 @@ def arm64_root() -> Path:
 class OverlayRoot:
     """A writable view of a cached root for one node: an overlay mounted by the node's sshd, in its own mount
     namespace, at a folder that sshd accepts as a ChrootDirectory (every component root-owned, none writable by
-    others: so not under /tmp)."""
+    others: so not under /tmp, wherever the build cache is)."""
 
     def __init__(self, lower: Path, scratch: Path) -> None:
         self.lower = lower
@@ -101,9 +102,8 @@ class OverlayRoot:
         self.work = scratch / "work"
         for folder in (self.upper, self.work):
             folder.mkdir(parents=True)
-        mounts = cache_dir() / "mnt"
-        mounts.mkdir(parents=True, exist_ok=True)
-        self.merged = Path(tempfile.mkdtemp(prefix="node-", dir=mounts))
+        MOUNTS.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.merged = Path(tempfile.mkdtemp(prefix="node-", dir=MOUNTS))
         self.merged.chmod(0o755)
 
     def mount_script(self) -> str:
