@@ -5,7 +5,6 @@ once and not restarted forever."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import tempfile
 import time
@@ -18,7 +17,7 @@ from core.nodes.build import worker_binary
 from core.nodes.target import Target
 from tests.emulated import require_emulation
 from tests.harness import Cluster
-from tests.sshd import NEEDS_SSHD, Sshd, SshWorld
+from tests.sshd import NEEDS_SSHD, Sshd, SshWorld, running_world
 from tests.test_hardening import gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), NEEDS_SSHD]
@@ -31,13 +30,7 @@ ELF_MACHINE_AARCH64 = 0xB7
 @pytest.fixture(scope="module")
 def world() -> Iterator[SshWorld]:
     require_emulation()
-    root = Path(tempfile.mkdtemp(prefix="gca-", dir="/tmp"))
-    world = SshWorld(root, nodes=0)
-    try:
-        yield world
-    finally:
-        world.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    yield from running_world("gca-", 0)
 
 
 def arm_lines(world: SshWorld, server: Sshd, **override: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 
 from tests.emulated import require_emulation
 from tests.harness import Cluster, run_with_fault
-from tests.sshd import NEEDS_SSHD, SshWorld
+from tests.sshd import NEEDS_SSHD, SshWorld, running_world
 from tests.test_hardening import gone
 from tests.test_vulkan import MESA_CACHE
 
@@ -56,12 +57,7 @@ print(json.dumps(llm.create_completion(prompt, max_tokens=tokens, temperature=0.
 @pytest.fixture(scope="module")
 def world() -> Iterator[SshWorld]:
     require_emulation()
-    root = Path(tempfile.mkdtemp(prefix="gcm-", dir="/tmp"))
-    world = SshWorld(root, nodes=0)
-    try:
-        yield world
-    finally:
-        world.stop()
+    yield from running_world("gcm-", 0)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +75,7 @@ def cluster(world: SshWorld) -> Iterator[Cluster]:
     finally:
         cluster.cli("down", check=False)
         assert gone(cluster)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def nodes(status: dict) -> dict[str, dict]:
