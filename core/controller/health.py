@@ -46,8 +46,8 @@ class NodeRuntime:
     offset: int = 0                           # bytes of the worker's events.jsonl handled so far
     down_since: float | None = None           # when the connection to it was lost (monotonic)
     killed_for: str | None = None             # why the controller killed its worker, until that exit is seen
-    # Failed for a reason that does not pass by itself (a worker built for another CPU): tried again only when
-    # asked (`up`), never on a timer.
+    # Failed for a reason that does not pass by itself (a worker built for another CPU, or one without its
+    # backend's device): tried again only when asked (`up`), never on a timer.
     held: bool = False
     built_for: str | None = None              # the -march its worker was built with, when known
     features: frozenset[str] = frozenset()    # its CPU's features, as probed
