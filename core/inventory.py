@@ -390,6 +390,8 @@ def direct_warnings(inventory: Inventory) -> list[str]:
 # Neither demo worker holds the demo model with the KV cache of its 4 slots (api.parallel: auto), so the demo is a
 # cluster; the two together do.
 DEMO_WORKER_MEMORY = 84 << 20
+# Below Linux's ephemeral range (32768-60999): there an outgoing connection, or its TIME_WAIT, can hold the port.
+DEMO_PORTS = (29152, 29153)
 
 
 def embedded_inventory() -> Inventory:
@@ -399,8 +401,8 @@ def embedded_inventory() -> Inventory:
         cluster="demo",
         context=512,
         nodes=(
-            Node(name="local-a", kind="local", rpc_port=50152, threads=threads, memory=DEMO_WORKER_MEMORY),
-            Node(name="local-b", kind="local", rpc_port=50153, threads=threads, memory=DEMO_WORKER_MEMORY),
+            Node(name="local-a", kind="local", rpc_port=DEMO_PORTS[0], threads=threads, memory=DEMO_WORKER_MEMORY),
+            Node(name="local-b", kind="local", rpc_port=DEMO_PORTS[1], threads=threads, memory=DEMO_WORKER_MEMORY),
         ),
     )
     inventory._api_key = environment_key()

@@ -321,7 +321,7 @@ def test_embedded_default_runs_without_an_inventory(short_tmp) -> None:
 
     try:
         up = cli("up")
-        assert "ready: 2 worker(s)" in up.stderr
+        assert "ready: 2 worker(s)" in up.stderr, up.stderr
         status = json.loads(cli("status", "--json").stdout)
         assert status["cluster"] == "demo"
         assert [node["state"] for node in status["nodes"]] == ["ready", "ready"]

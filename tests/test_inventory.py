@@ -207,6 +207,13 @@ def test_embedded_default_is_two_local_workers_and_the_demo_model() -> None:
     assert len({node.rpc_port for node in inventory.nodes}) == 2
 
 
+def test_embedded_default_ports_are_outside_the_ephemeral_range() -> None:
+    """An outgoing connection (or its TIME_WAIT) that the kernel gave the demo's port would keep a worker from
+    binding it: the demo failed a node now and then when its ports lay in Linux's 32768-60999."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert all(not low <= node.rpc_port <= high for node in embedded_inventory().nodes)
+
+
 def test_inventory_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("GGML_CLUSTER_INVENTORY", raising=False)
