@@ -115,7 +115,8 @@ def layers(node: NodeStatus) -> str:
 
 def header(status: ClusterStatus, now: float) -> list[Text]:
     """Three lines: what runs (cluster, model, coordinator, uptime), how it runs (rates, requests, plan), then
-    who waits (slots generating, the queue against its bound, requests deferred and refused)."""
+    who waits (slots generating, the queue against its bound, requests deferred and refused, and those sampled on
+    the coordinator)."""
     first = Text()
     first.append(status.cluster, style="bold")
     first.append(f"  model {status.model}  coordinator ")
@@ -140,6 +141,8 @@ def header(status: ClusterStatus, now: float) -> list[Text]:
             f"deferred {status.requests_deferred}", f"rejected {status.requests_rejected}"]
     if status.slots > 1:  # with one slot, the request's own decode rate above is all of it
         load.append(f"all decode {status.aggregate_decode_tokens_per_s:.1f} tok/s")
+    if status.requests_sampled_on_coordinator:  # every logit of every token crossed the network for these
+        load.append(f"sampled here {status.requests_sampled_on_coordinator}")
     return [first, Text("  ".join(parts)), Text("  ".join(load))]
 
 

@@ -144,6 +144,10 @@ class Inventory(_Frozen):
     # How chat messages become a prompt: one of CHAT_FORMATS, or a Jinja template file. Used instead of the GGUF's
     # tokenizer.chat_template, and where the GGUF has none (a base model; some conversions drop it).
     chat_template: PathText | None = None
+    # Where tokens are sampled: node: on the node that holds the output layer, so one token per sequence crosses
+    # the network instead of every logit (n_vocab * 4 bytes); coordinator: here, from the logits (requests that
+    # need them, logprobs and a JSON schema, are sampled here either way).
+    sampling: Literal["node", "coordinator"] = "node"
     api: Api = Field(default_factory=Api)
     metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)

@@ -177,6 +177,9 @@ class ClusterStatus:
     requests_deferred: int = 0         # requests that waited for a slot, since the controller started
     requests_rejected: int = 0         # requests refused because the queue was full
     prompt_tokens_shared: int = 0      # prompt tokens copied from another request's KV cells instead of evaluated
+    # requests sampled from the whole vocabulary's logits on the coordinator, not where the output layer is
+    # (inventory sampling: coordinator, or a request that needs the logits: logprobs, a JSON schema)
+    requests_sampled_on_coordinator: int = 0
     completion_tokens: int = 0         # tokens generated, since the controller started
     completion_tokens_batched: int = 0  # of them, decoded in a step that carried another sequence's tokens too
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
@@ -211,6 +214,7 @@ class ClusterStatus:
             "requests_deferred": self.requests_deferred,
             "requests_rejected": self.requests_rejected,
             "prompt_tokens_shared": self.prompt_tokens_shared,
+            "requests_sampled_on_coordinator": self.requests_sampled_on_coordinator,
             "completion_tokens": self.completion_tokens,
             "completion_tokens_batched": self.completion_tokens_batched,
             "metrics_endpoint": self.metrics_endpoint,
@@ -256,6 +260,7 @@ class ClusterStatus:
             requests_deferred=data.get("requests_deferred", 0),
             requests_rejected=data.get("requests_rejected", 0),
             prompt_tokens_shared=data.get("prompt_tokens_shared", 0),
+            requests_sampled_on_coordinator=data.get("requests_sampled_on_coordinator", 0),
             completion_tokens=data.get("completion_tokens", 0),
             completion_tokens_batched=data.get("completion_tokens_batched", 0),
             metrics_endpoint=data.get("metrics_endpoint", ""),

@@ -201,10 +201,11 @@ def small_disk(mount: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def run_with_fault(cluster: Cluster, prompt: str, tokens: str,
-                   fault: Callable[[], object]) -> tuple[subprocess.CompletedProcess[str], str, float]:
-    """Start a streamed run, inject ``fault`` once tokens flow, return (result, full stdout, seconds)."""
-    run = cluster.popen("run", prompt, "-n", tokens)
+def run_with_fault(cluster: Cluster, prompt: str, tokens: str, fault: Callable[[], object],
+                   *options: str) -> tuple[subprocess.CompletedProcess[str], str, float]:
+    """Start a streamed run (with `run`'s ``options``), inject ``fault`` once tokens flow, return (result, full
+    stdout, seconds)."""
+    run = cluster.popen("run", prompt, "-n", tokens, *options)
     assert run.stdout is not None
     head = run.stdout.read(40)  # tokens are streaming: the fault lands mid-generation
     started = time.monotonic()

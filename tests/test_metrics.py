@@ -108,7 +108,8 @@ def snapshot() -> ClusterStatus:
                           restarts=5, link="direct")],
         started_at=1_800_000_000.0, requests_served=3, requests_in_flight=3, decode_tokens_per_s=12.5,
         aggregate_decode_tokens_per_s=12.5, slots_busy=1, queue_length=2, queue_limit=2, requests_deferred=9,
-        requests_rejected=4, prompt_tokens_shared=117, completion_tokens=128, completion_tokens_batched=120)
+        requests_rejected=4, prompt_tokens_shared=117, requests_sampled_on_coordinator=5, completion_tokens=128,
+        completion_tokens_batched=120)
 
 
 def test_prometheus_exposition_of_a_snapshot() -> None:
@@ -151,6 +152,7 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
     assert samples[("ggml_cluster_requests_rejected_total", lab)] == 4
     assert samples[("ggml_cluster_prompt_tokens_shared_total", lab)] == 117
     assert samples[("ggml_cluster_completion_tokens_total", lab)] == 128
+    assert samples[("ggml_cluster_requests_sampled_on_coordinator_total", lab)] == 5
     assert samples[("ggml_cluster_completion_tokens_batched_total", lab)] == 120
     assert samples[("ggml_cluster_aggregate_decode_tokens_per_second", lab)] == 12.5
 

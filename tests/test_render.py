@@ -118,10 +118,11 @@ def test_a_failed_node() -> None:
     status.coordinator.state = CoordinatorState.READY
     status.requests_in_flight = status.slots_busy = 0
     status.recoveries = 1
+    status.requests_sampled_on_coordinator = 2
     assert screen(status) == [
         "homelab  model qwen2.5-7b-q4_k_m.gguf  coordinator ready  up 2m05s",
         "decode 41.3 tok/s  prompt 512 tok/s  requests 12  recoveries 1  plan 23.5 ms/tok",
-        "slots 0/1  queue 0/16  deferred 0  rejected 0",
+        "slots 0/1  queue 0/16  deferred 0  rejected 0  sampled here 2",
         "",
         "NODE    BACKEND     STATE  LAYERS MEMORY       LOAD MS/TOK COMPUTES RESTARTS",
         "rtx4090 x86_64/cuda ready  0-19   ███░ 18G/24G  88%   9.12     1210        0",

@@ -48,6 +48,9 @@ class FakeEngine:
         self.statuses: dict[int, int] = {}  # decode index → llama_decode's status
         self.failing: set[int] = set()      # decode indexes a worker reports failed
         self.ends: set[int] = set()         # tokens that end generation
+        self.attached: dict[int, object] = {}  # seq → its sampler on the node, which always picks 9 + seq
+        self.refuse: bool = False           # the output layer's device cannot run a node sampler
+        self.unsampled: set[int] = set()    # sequences whose node returns no token
 
     def decode(self, entries: list[Entry]) -> int:
         self.batches.append(list(entries))
@@ -78,6 +81,19 @@ class FakeEngine:
     def text(self, token: int) -> bytes:
         return b" w%d" % token
 
+    def attach(self, seq: int, sampler: object) -> bool:
+        if not self.refuse:
+            self.attached[seq] = sampler
+        return not self.refuse
+
+    def detach(self, seq: int) -> None:
+        del self.attached[seq]
+
+    def sampled(self, index: int) -> int:
+        seq = self.batches[-1][index].seq
+        assert seq in self.attached
+        return -1 if seq in self.unsampled else 9 + seq
+
     def is_end(self, token: int) -> bool:
         return token in self.ends
 
@@ -102,6 +118,30 @@ def slot(rid: int, prompt: list[int], max_tokens: int, replay: list[int] | None 
                 budget=min(max_tokens, CONTEXT - len(prompt)) - len(replay),
                 choose=lambda logits: int(np.argmax(logits)), accept=lambda _token: None,
                 replayed=lambda _token: None, explain=lambda _logits, _token: None)
+
+
+class OnNode:
+    """A node sampler's record of what it was told."""
+
+    chain = None
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+    def replayed(self, token: int) -> None:
+        self.accepted.append(token)
+
+    def on_backend(self) -> bool:
+        return True
+
+
+def on_node(made: Slot) -> tuple[Slot, OnNode]:
+    node = OnNode()
+    made.node = node
+    return made, node
 
 
 def scheduler(engine: FakeEngine, parallel: int = 1) -> tuple[Scheduler, list[Answer], Ids]:
@@ -347,3 +387,34 @@ def test_generation_ends_at_the_models_end_token_or_its_budget(monkeypatch: Any)
     run(made, slot(1, [1], 3), slot(2, [2], 3))  # sequence 1 predicts 6: the end at once
     done = {event.id: (event.reason, event.completion_tokens) for event in events if isinstance(event, Done)}
     assert done == {1: ("length", 3), 2: ("stop", 0)}
+
+
+def test_a_slot_sampled_on_the_node_takes_the_nodes_token_and_its_sampler_leaves_with_it() -> None:
+    engine = FakeEngine()
+    made, events, _ = scheduler(engine, parallel=2)
+    node_slot, node = on_node(slot(1, [1, 2], 3))
+    run(made, node_slot, slot(2, [3], 2))
+    assert tokens(events, 1) == [9, 9, 9] and node.accepted == [9, 9, 9]
+    assert tokens(events, 2) == [6, 6]  # the other one chose from its logits
+    done = {event.id: event.sampled_on for event in events if isinstance(event, Done)}
+    assert done == {1: "node", 2: "coordinator"}
+    assert engine.attached == {}
+
+
+def test_a_node_that_cannot_run_the_sampler_leaves_the_request_to_the_logits() -> None:
+    engine = FakeEngine()
+    engine.refuse = True
+    made, events, _ = scheduler(engine)
+    node_slot, node = on_node(slot(1, [1, 2], 2))
+    run(made, node_slot)
+    assert tokens(events, 1) == [5, 5] and node.accepted == []
+    assert [event.sampled_on for event in events if isinstance(event, Done)] == ["coordinator"]
+
+
+def test_a_node_that_returns_no_token_fails_that_request_alone() -> None:
+    engine = FakeEngine()
+    engine.unsampled = {0}
+    made, events, ids = scheduler(engine, parallel=2)
+    run(made, on_node(slot(1, [1, 2], 3))[0], slot(2, [3], 2))
+    assert Failed("the output layer's node returned no sampled token", 1) in events
+    assert tokens(events, 2) == [6, 6] and sorted(ids.done) == [1, 2] and engine.attached == {}

@@ -131,6 +131,7 @@ class Controller:
             slots_busy=admission.busy, queue_length=admission.queued, queue_limit=admission.queue,
             requests_deferred=admission.deferred, requests_rejected=admission.rejected,
             prompt_tokens_shared=runner.prompt_tokens_shared, completion_tokens=runner.completion_tokens,
+            requests_sampled_on_coordinator=runner.sampled_on_coordinator,
             completion_tokens_batched=runner.completion_tokens_batched,
             metrics_endpoint=self.metrics.address if self.metrics else "",
             api_endpoint=self.api.address if self.api else "",

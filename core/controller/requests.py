@@ -90,6 +90,7 @@ class RequestRunner:
         self.lock = Turns()  # requests together; a re-plan between requests alone
         self.served = 0
         self.prompt_tokens_shared = 0  # prompt tokens copied from another sequence's KV cells, not evaluated
+        self.sampled_on_coordinator = 0  # requests whose logits came to the coordinator (sampling: node aside)
         self.completion_tokens = 0  # generated, in every request
         self.completion_tokens_batched = 0  # of them, from a decode step that carried another sequence too
         self.waiting = 0            # in flight: generating, or queued behind those that are
@@ -241,6 +242,7 @@ class RequestRunner:
         """The request is done: the last text (the decoder's tail, what stop strings held back), then `done`."""
         self.served += 1
         self.prompt_tokens_shared += answer.shared_tokens
+        self.sampled_on_coordinator += answer.sampled_on == "coordinator"
         self.rates = {"prompt": _rate(answer.prompt_tokens - answer.shared_tokens, answer.prompt_s),
                       "decode": _rate(answer.completion_tokens, answer.decode_s)}
         await _forward(progress, answer.text, None, send)

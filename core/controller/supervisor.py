@@ -224,7 +224,7 @@ class CoordinatorSupervisor:
                                    tensor_split=plan.used_split, context=self.inventory.context,
                                    chat_format=self.inventory.chat_format,
                                    chat_template_file=str(template_file) if template_file else None,
-                                   parallel=plan.slots)
+                                   parallel=plan.slots, sampling=self.inventory.sampling)
         self.log.record("plan", self.placement.describe())
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:

@@ -50,6 +50,9 @@ def families(status: ClusterStatus) -> list[Metric]:
         counter("requests_rejected", "Requests refused because the queue was full (503).", status.requests_rejected),
         counter("prompt_tokens_shared", "Prompt tokens copied from another request's KV cells instead of evaluated.",
                 status.prompt_tokens_shared),
+        counter("requests_sampled_on_coordinator", "Requests sampled from the whole vocabulary's logits on the "
+                "coordinator instead of on the node that holds the output layer.",
+                status.requests_sampled_on_coordinator),
         counter("completion_tokens", "Tokens generated.", status.completion_tokens),
         counter("completion_tokens_batched", "Tokens generated in a decode step that carried another request's too.",
                 status.completion_tokens_batched),

@@ -30,6 +30,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from core.engine.chain import NodeSampler, coordinator_reason
 from core.engine.protocol import (
     EXIT_COMPUTE_FAILED,
     Answer,
@@ -50,6 +51,7 @@ from core.engine.slots import (
     Choose,
     ComputeFailure,
     Entry,
+    NodeChain,
     PersistentComputeFailure,
     RequestIds,
     Scheduler,
@@ -75,13 +77,15 @@ class CoordinatorConfig:
     chat_format: str | None = None         # a llama-cpp-python chat format by name, instead of the GGUF's template
     chat_template_file: str | None = None  # a Jinja chat template file, instead of the GGUF's template
     parallel: int = 1                      # slots: requests decoded together, each with its own `context`
+    sampling: str = "node"                 # node: where the output layer is (core.engine.chain); coordinator: here
 
     def to_json(self) -> str:
         """Serialise for the child's command line."""
         return json.dumps({"model": self.model, "endpoints": list(self.endpoints),
                            "tensor_split": list(self.tensor_split), "context": self.context,
                            "threads": self.threads, "chat_format": self.chat_format,
-                           "chat_template_file": self.chat_template_file, "parallel": self.parallel})
+                           "chat_template_file": self.chat_template_file, "parallel": self.parallel,
+                           "sampling": self.sampling})
 
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
@@ -90,7 +94,8 @@ class CoordinatorConfig:
         return cls(model=data["model"], endpoints=tuple(data["endpoints"]),
                    tensor_split=tuple(data["tensor_split"]), context=int(data["context"]),
                    threads=int(data.get("threads", 1)), chat_format=data.get("chat_format"),
-                   chat_template_file=data.get("chat_template_file"), parallel=int(data.get("parallel", 1)))
+                   chat_template_file=data.get("chat_template_file"), parallel=int(data.get("parallel", 1)),
+                   sampling=data.get("sampling", "node"))
 
 
 NO_CHAT_TEMPLATE = ("the model has no chat template (no tokenizer.chat_template in its GGUF, and no chat_template in "
@@ -167,6 +172,10 @@ def _sequences(parallel: int) -> Iterator[None]:
         params = original()
         params.n_seq_max = parallel
         params.kv_unified = False
+        # Above 1, a sampler on the node draws from a copy of its generator and commits a draw only when the token
+        # is accepted (llama.cpp's transactional dist): an output nobody takes (a step retried after a failed
+        # compute, the prompt's last token before a replay) then leaves the request's draws as they were.
+        params.n_outputs_max_per_seq = 2
         return params
 
     low.llama_context_default_params = defaults
@@ -189,10 +198,11 @@ class Generator:
     """A loaded model: turns requests into slots for the scheduler (core.engine.slots)."""
 
     def __init__(self, llm: Any, lib: Any, chat: Chat | None = None, compute: ComputeStatus | None = None,
-                 context: int | None = None) -> None:
+                 context: int | None = None, *, on_node: bool = False) -> None:
         """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: how chats become
         prompts, or None (chats are refused); ``compute``: the workers' reported compute failures; ``context``:
-        tokens each request may hold (default: the whole context)."""
+        tokens each request may hold (default: the whole context); ``on_node``: sample where the output layer is,
+        each request that can be (core.engine.chain)."""
         self.requests = RequestIds()
         self.llm = llm
         self.lib = lib
@@ -202,6 +212,7 @@ class Generator:
         self.vocab = lib.llama_model_get_vocab(llm.model)
         self.n_vocab = llm.n_vocab()
         self._ends: np.ndarray | None = None  # the end-of-text tokens, found when a request first ignores them
+        self.on_node = on_node
 
     @classmethod
     def load(cls, config: CoordinatorConfig, compute: ComputeStatus | None = None) -> Generator:
@@ -213,7 +224,8 @@ class Generator:
                 model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
                 n_ctx=config.context * config.parallel, n_threads=config.threads, n_threads_batch=config.threads,
                 flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
-        return cls(llm, llama_cpp, load_chat(llm, config), compute, config.context)
+        return cls(llm, llama_cpp, load_chat(llm, config), compute, config.context,
+                   on_node=config.sampling == "node")
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -242,8 +254,17 @@ class Generator:
             sampler = sampler_for(request, self.lib, self.vocab, self.n_vocab)
         except GrammarError as exc:
             return Failed(f"response_format: {exc}", rid, field="response_format")
+        node = (NodeSampler.of(self.lib, request, self.ends(), self.n_vocab)
+                if self.on_node and coordinator_reason(request) is None else None)
         for token in prompt:
             sampler.accept(token, generated=False)  # the penalties look back over the prompt too, as llama-server's
+            if node is not None:
+                node.accept(token)
+        if node is not None:
+            # The node draws when it computes an output, before the step's tokens are taken: the draws of the
+            # replayed tokens must come first, or the first new token would take the last replayed one's.
+            for token in request.replay:
+                node.replayed(token)
         top_n = request.logprobs
 
         def explain(logits: np.ndarray, token: int) -> TokenLogprobs | None:
@@ -252,14 +273,18 @@ class Generator:
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
                     choose=self._without_ends(sampler.choose) if request.ignore_eos else sampler.choose,
-                    accept=sampler.accept, replayed=sampler.replayed, explain=explain)
+                    accept=sampler.accept, replayed=sampler.replayed, explain=explain, node=node)
 
-    def _without_ends(self, choose: Choose) -> Choose:
-        """``choose`` that never picks an end-of-text token (llama-server's ignore_eos: their logits at -inf)."""
+    def ends(self) -> np.ndarray:
+        """The end-of-text (and end-of-turn) tokens."""
         if self._ends is None:  # once per model: one call per vocabulary entry
             self._ends = np.array([token for token in range(self.n_vocab)
                                    if self.lib.llama_vocab_is_eog(self.vocab, token)], dtype=np.int64)
-        ends = self._ends
+        return self._ends
+
+    def _without_ends(self, choose: Choose) -> Choose:
+        """``choose`` that never picks an end-of-text token (llama-server's ignore_eos: their logits at -inf)."""
+        ends = self.ends()
 
         def chosen(logits: np.ndarray) -> int:
             logits[ends] = -np.inf  # in llama.cpp's buffer of this step: logprobs see them at -inf, as chosen
@@ -334,6 +359,24 @@ class LlamaEngine:
     def is_end(self, token: int) -> bool:
         """End of text or of a turn."""
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def attach(self, seq: int, sampler: NodeChain) -> bool:
+        """Run ``sampler``'s chain on the output layer's device for ``seq`` (llama_set_sampler); False: it cannot
+        run there whole."""
+        if not self._lib.llama_set_sampler(self._ctx, seq, sampler.chain):
+            return False
+        if not sampler.on_backend():
+            self.detach(seq)
+            return False
+        return True
+
+    def detach(self, seq: int) -> None:
+        """``seq``'s outputs are logits again."""
+        self._lib.llama_set_sampler(self._ctx, seq, None)
+
+    def sampled(self, index: int) -> int:
+        """The token the node sampled for the batch's ``index``-th entry (-1: none)."""
+        return int(self._lib.llama_get_sampled_token_ith(self._ctx, index))
 
 
 def _read_requests(generator: Generator, requests: queue.Queue[Request | None], out: IO[str]) -> None:

@@ -150,6 +150,8 @@ class Done:
     prompt_s: float
     decode_s: float
     shared_tokens: int = 0  # of the prompt, copied from another sequence's KV cells instead of evaluated
+    # node: its tokens were sampled where the output layer is (core.engine.chain); coordinator: from the logits
+    sampled_on: str = ""
 
 
 @dataclass(frozen=True)

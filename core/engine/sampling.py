@@ -2,7 +2,10 @@
 
 The chain and its defaults are llama.cpp's (common/sampling.cpp, common_params_sampling): repetition penalties
 over the last ``repeat_last_n`` tokens (the prompt's too), then top-k, top-p, min-p, temperature, and one draw
-from the request's seeded generator; temperature 0 is the likeliest token after the penalties. A grammar
+from the request's seeded generator; temperature 0 is the likeliest token after the penalties. The draw is llama.cpp's
+own (`Draws`: std::mt19937 seeded with the request's seed as llama-server takes it, a 53-bit uniform double), so a
+token this sampler chooses is the one llama.cpp's sampler chain chooses from the same logits, on the coordinator
+or on the node that holds the output layer (core.engine.chain). A grammar
 (``response_format``'s JSON schema, through llama.cpp's grammar sampler) is checked as llama-server checks it: the
 chosen token first, and only when the grammar refuses it are all the logits masked and the token chosen again, with
 the same draw. So every token takes exactly one draw at temperature > 0, and a request resumed after a restart
@@ -20,6 +23,31 @@ from typing import Any, Protocol
 import numpy as np
 
 from core.engine.protocol import Generate
+
+
+class Draws:
+    """The uniform draws of llama.cpp's ``dist`` sampler: std::mt19937 seeded with ``seed`` (a uint32, as llama.cpp
+    takes it), through std::uniform_real_distribution<double>, which is generate_canonical of two 32-bit words."""
+
+    def __init__(self, seed: int) -> None:
+        self._bits = np.random.MT19937()
+        self._bits._legacy_seeding(seed)  # init_genrand(seed): std::mt19937's own seeding
+
+    def __call__(self) -> float:
+        """The next draw in [0, 1)."""
+        low, high = (int(word) for word in self._bits.random_raw(2))
+        return min((low + (high << 32)) / 2.0**64, 1.0 - 2.0**-53)
+
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp draws a random seed for this one (llama.h)
+
+
+def chain_seed(seed: int | None) -> int:
+    """A request's seed as llama.cpp's sampler takes it (a uint32, as llama-server's JSON reader casts it); no seed
+    is a random one, chosen here so that both ends of a request's sampling share it."""
+    if seed is None or seed % (1 << 32) == LLAMA_DEFAULT_SEED:
+        return int(np.random.default_rng().integers(0, LLAMA_DEFAULT_SEED))
+    return seed % (1 << 32)
 
 
 @dataclass(frozen=True)
@@ -64,10 +92,8 @@ class Sampler:
     def __init__(self, params: SamplingParams, grammar: Constraint | None = None) -> None:
         self.params = params
         self.grammar = grammar
-        seed = params.seed
-        # The seed as today's requests use it: any whole number, negative ones too.
-        self._rng = (np.random.default_rng(seed % (1 << 64) if seed is not None else None)
-                     if params.temperature > 0 else None)
+        # Greedy takes a draw too, as llama.cpp's dist does from a single candidate: replays count the same.
+        self._draw = Draws(chain_seed(params.seed))
         # llama.cpp's penalties sampler is off when it would change nothing (llama_sampler_penalties::is_disabled).
         penalised = params.repeat_last_n > 0 and (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
                                                   or params.frequency_penalty != 0.0)
@@ -91,14 +117,13 @@ class Sampler:
 
     def replayed(self, token: int) -> None:
         """A token chosen before a restart: the draw it took, then accepted, so the state is as it was."""
-        if self._rng is not None:
-            self._rng.random()
+        self._draw()
         self.accept(token)
 
     def choose(self, logits: np.ndarray) -> int:
         """The next token for ``logits`` (the model's, left unchanged). Call `accept` with it unless it ends the
         text."""
-        draw = self._rng.random() if self._rng is not None else 0.0
+        draw = self._draw()
         scores = self.penalised(logits)
         token = self._pick(scores, draw)
         if self.grammar is not None and not self.grammar.allows(token):

@@ -21,6 +21,9 @@ may differ from a fault-free run's when others ran beside it.
 
 A step that a worker reports failed (ggml-cluster's patch on ggml-rpc) is retried in place: its cells are
 dropped for every sequence in it and the same batch is decoded again.
+
+A slot with a sampler for the node (core.engine.chain) has it set on its sequence while it holds the slot: its
+tokens are sampled where the output layer is, and only they cross the network; the others choose from the logits.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -77,6 +80,24 @@ class ComputeFailure:
     failures: int
 
 
+class NodeChain(Protocol):
+    """A request's sampler as it runs on the node that holds the output layer (core.engine.chain.NodeSampler)."""
+
+    chain: Any  # what the engine hands llama.cpp
+
+    def accept(self, token: int) -> None:
+        """``token`` is part of the text now."""
+        ...
+
+    def replayed(self, token: int) -> None:
+        """A token chosen before a restart: its draw, then accepted."""
+        ...
+
+    def on_backend(self) -> bool:
+        """Whether all of it runs where it was attached."""
+        ...
+
+
 class Engine(Protocol):
     """The model's llama.cpp context as the slots use it."""
 
@@ -108,6 +129,18 @@ class Engine(Protocol):
 
     def text(self, token: int) -> bytes:
         """A token's bytes."""
+        ...
+
+    def attach(self, seq: int, sampler: NodeChain) -> bool:
+        """Sample sequence ``seq``'s outputs with ``sampler`` on the output layer's device; False if it cannot."""
+        ...
+
+    def detach(self, seq: int) -> None:
+        """Sequence ``seq``'s outputs are logits again."""
+        ...
+
+    def sampled(self, index: int) -> int:
+        """The token sampled on the node for the batch's ``index``-th entry."""
         ...
 
     def is_end(self, token: int) -> bool:
@@ -179,6 +212,7 @@ class Slot:
     accept: Callable[[int], None]    # a token chosen and kept (the sampler's history, its grammar)
     replayed: Callable[[int], None]  # a replayed token: its random draw, history and grammar step, as first chosen
     explain: Explain
+    node: NodeChain | None = None  # its sampler on the node, while the engine takes it; else it chooses here
     started: float = field(default_factory=time.perf_counter)
     n_past: int = 0            # tokens in its KV cells
     evaluated: int = 0         # of the prompt
@@ -250,7 +284,12 @@ class Scheduler:
                     self._release(plan.slot)
             return
         for plan in planned:
-            self._advance(plan, len(planned))
+            try:
+                self._advance(plan, len(planned))
+            except RuntimeError as exc:  # this request's result is unusable: it fails, the others go on
+                if self.slots[plan.slot.seq] is plan.slot:
+                    self.emit(Failed(str(exc), plan.slot.rid))
+                    self._release(plan.slot)
 
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
@@ -258,6 +297,8 @@ class Scheduler:
             slot.seq = self.slots.index(None)
             slot.started = slot.reported = time.perf_counter()
             self.engine.forget(slot.seq, 0)
+            if slot.node is not None and not self.engine.attach(slot.seq, slot.node):
+                slot.node = None  # the output layer's device cannot run it: the logits come here
             self.slots[slot.seq] = slot
             if self._cancelled(slot.rid):
                 self._finish(slot, "cancelled")
@@ -360,7 +401,8 @@ class Scheduler:
         elif plan.kind == "replay":
             token = slot.request.replay[slot.done_replaying]
             slot.done_replaying += 1
-            slot.replayed(token)
+            if slot.node is None:  # a sampler on the node took its replayed draws before the first step
+                slot.replayed(token)
             slot.decoder.decode(self.engine.text(token))
             total = len(slot.request.replay)
             if slot.done_replaying == total or time.perf_counter() - slot.reported >= PROGRESS_INTERVAL_S:
@@ -379,16 +421,25 @@ class Scheduler:
         if slot.generated >= slot.budget:
             self._finish(slot, "length")
             return
-        logits = self.engine.logits(index)
-        token = slot.choose(logits)
+        node = slot.node
+        if node is not None:
+            token = self.engine.sampled(index)
+            if token < 0:
+                raise RuntimeError("the output layer's node returned no sampled token")
+            logprobs = None
+        else:
+            logits = self.engine.logits(index)
+            token = slot.choose(logits)
         if self.engine.is_end(token):
             self._finish(slot, "stop")
             return
-        slot.accept(token)
+        if node is not None:
+            node.accept(token)
+        else:
+            slot.accept(token)
+            logprobs = slot.explain(logits, token)  # read before the next step overwrites the logits
         slot.generated += 1
-        # Read before the next step overwrites the logits.
-        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), slot.explain(logits, token),
-                        batch))
+        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), logprobs, batch))
         if slot.generated < slot.budget:
             slot.pending = token
         else:
@@ -400,10 +451,12 @@ class Scheduler:
         self.emit(Done(slot.rid, reason, slot.decoder.decode(b"", final=True), prompt_tokens=len(slot.prompt),
                        replayed_tokens=len(slot.request.replay), completion_tokens=slot.generated,
                        prompt_s=prompt_done - slot.started, decode_s=finished - prompt_done,
-                       shared_tokens=slot.shared))
+                       shared_tokens=slot.shared, sampled_on="node" if slot.node is not None else "coordinator"))
         self._release(slot)
 
     def _release(self, slot: Slot) -> None:
+        if slot.node is not None:
+            self.engine.detach(slot.seq)
         self.engine.forget(slot.seq, 0)
         self.slots[slot.seq] = None
         self._closed(slot.rid)
