@@ -393,7 +393,7 @@ def direct_warnings(inventory: Inventory) -> list[str]:
 
 # Neither demo worker holds the demo model with the KV cache of its 4 slots (api.parallel: auto), so the demo is a
 # cluster; the two together do.
-DEMO_WORKER_MEMORY = 84 << 20
+DEMO_WORKER_MEMORY = 82 << 20
 # Below Linux's ephemeral range (32768-60999): there an outgoing connection, or its TIME_WAIT, can hold the port.
 DEMO_PORTS = (29152, 29153)
 

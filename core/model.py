@@ -19,6 +19,9 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # llama-cpp-python's default n_batch and n_ubatch, which the coordinator keeps: llama.cpp sizes its compute
 # buffers for a micro-batch of min(context, BATCH) tokens.
 BATCH = 512
+# Outputs (rows of logits) llama.cpp reserves room for per slot: the coordinator asks for two per sequence
+# (n_outputs_max = 2 x slots; core.engine.coordinator), not llama.cpp's default of the whole micro-batch.
+OUTPUTS_PER_SLOT = 2
 
 
 @dataclass(frozen=True)
@@ -64,24 +67,24 @@ class ModelFacts:
         """What the last device sends the coordinator per token: one f32 logit per vocabulary entry."""
         return self.n_vocab * 4
 
-    def compute_bytes(self, context: int, *, last: bool, batch: int = BATCH) -> int:
+    def compute_bytes(self, context: int, *, last: bool, batch: int = BATCH, slots: int = 1) -> int:
         """The compute buffer llama.cpp reserves on a device that holds layers, for its largest micro-batch
-        (``batch`` tokens, at most the context).
+        (``batch`` tokens, at most the context), with ``slots`` sequences.
 
         Activations: 4·n_ff + 4.3·n_embd floats per token of the micro-batch, and 8 bytes per (token, KV cell) of
         attention masks, one per KV cache (two with sliding-window layers); calibrated against llama.cpp's
-        reported reserve on llama and gemma3 models (within 2%). The last device also holds the logits of every
-        token of the micro-batch (llama.cpp reserves for the case that all are wanted): with a large vocabulary
-        this is the biggest buffer of all (262,144 tokens: 512 MiB).
+        reported reserve on llama and gemma3 models (within 2%). The last device also holds the logits of the
+        outputs llama.cpp makes room for (OUTPUTS_PER_SLOT per slot; llama.cpp's default, every token of the
+        micro-batch, would be 512 MiB for a 262,144-token vocabulary).
         """
         batch = min(context, batch)
         caches = 2 if self.sliding_window else 1
         size = int(batch * 4 * (4 * self.n_ff + 4.3 * self.n_embd)) + batch * 8 * context * caches
-        return size + (self.logits_buffer_bytes(context, batch) if last else 0)
+        return size + (self.logits_buffer_bytes(context, batch, slots) if last else 0)
 
-    def logits_buffer_bytes(self, context: int, batch: int = BATCH) -> int:
-        """The logits of a whole micro-batch, which llama.cpp reserves on the last device."""
-        return min(context, batch) * self.logits_bytes
+    def logits_buffer_bytes(self, context: int, batch: int = BATCH, slots: int = 1) -> int:
+        """The logits of the outputs of a micro-batch, which llama.cpp reserves on the last device."""
+        return min(context, batch, OUTPUTS_PER_SLOT * slots) * self.logits_bytes
 
 
 def read_model(path: Path) -> ModelFacts:

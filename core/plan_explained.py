@@ -76,20 +76,24 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
                    context=kv_tokens)
         layers = plan.layers[index]
         if layers is not None and layers[1] == model.n_layers - 1:
-            why += "; " + output_note(model, kv_tokens, speed)
+            why += "; " + output_note(model, kv_tokens, speed, slots=plan.slots, sampling=inventory.sampling)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
                             capacities[index].usable, why, predicted))
     return plan, rows
 
 
-def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None) -> str:
-    """What the output layer costs the node that holds it: its weights, its logits buffer, its time per token."""
+def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None, *, slots: int = 1,
+                sampling: str = "node") -> str:
+    """What the output layer costs the node that holds it: its weights, its logits buffer, its time per token,
+    and what it sends per token (the sampled token, or every logit with ``sampling: coordinator``)."""
     matrix = "the tied token embeddings" if model.tied_output else "output.weight"
-    logits = model.logits_buffer_bytes(context)
+    logits = model.logits_buffer_bytes(context, slots=slots)
     timed = f", {speed.output_s * 1000:.2f} ms/token" if speed is not None and math.isfinite(speed.output_s) else ""
+    sends = ("samples each token there (the logits stay on it)" if sampling == "node"
+             else f"sends {model.logits_bytes / 1024:.0f} KiB of logits per token")
     return (f"holds the output layer ({matrix}): {mib(model.output_bytes)} and a {mib(logits)} logits buffer"
-            f"{timed}, and sends {model.logits_bytes / 1024:.0f} KiB of logits per token")
+            f"{timed}, and {sends}")
 
 
 def _why(plan: Plan, index: int, *, capacity: NodeCapacity, speed: NodeSpeed | None, model: ModelFacts,

@@ -106,7 +106,7 @@ def layer_ranges(assignment: Sequence[int], n_devices: int, n_layers: int) -> li
     return ranges
 
 
-def plan_memory(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) -> Plan:
+def plan_memory(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int, slots: int = 1) -> Plan:
     """llama.cpp's default policy made explicit: split in proportion to usable memory, then check fit."""
     if not nodes:
         raise PlanError("no worker is available to hold the model")
@@ -114,25 +114,25 @@ def plan_memory(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) 
     if usable.sum() <= 0:
         raise PlanError("no node has free memory for the model",
                         "fix: free memory on the nodes or raise their 'memory:' caps")
-    return plan_split(model, nodes, usable / usable.sum(), context, "memory")
+    return plan_split(model, nodes, usable / usable.sum(), context, "memory", slots=slots)
 
 
-def plan_equal(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int) -> Plan:
+def plan_equal(model: ModelFacts, nodes: Sequence[NodeCapacity], context: int, slots: int = 1) -> Plan:
     """The same share of layers for every node, whatever its memory or speed."""
     if not nodes:
         raise PlanError("no worker is available to hold the model")
-    return plan_split(model, nodes, np.full(len(nodes), 1.0 / len(nodes)), context, "equal")
+    return plan_split(model, nodes, np.full(len(nodes), 1.0 / len(nodes)), context, "equal", slots=slots)
 
 
 def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndarray, context: int,
-               strategy: str) -> Plan:
+               strategy: str, *, slots: int = 1) -> Plan:
     """The plan a given split produces in llama.cpp, checked against each node's usable memory."""
     # Round before assigning, so the ranges shown are those of the split llama.cpp actually receives.
     split = tuple(round(float(value), 6) for value in shares)
     assignment = assign_layers(split, model.n_layers)
     ranges = layer_ranges(assignment, len(nodes), model.n_layers)
     output_device = assignment[model.n_layers]
-    needed = [device_bytes(model, ranges[device], context, output=device == output_device)
+    needed = [device_bytes(model, ranges[device], context, output=device == output_device, slots=slots)
               for device in range(len(nodes))]
     short = [(node, need) for node, need in zip(nodes, needed, strict=True) if need > node.usable]
     if short:
@@ -151,7 +151,7 @@ def plan_split(model: ModelFacts, nodes: Sequence[NodeCapacity], shares: np.ndar
 
 
 def device_bytes(model: ModelFacts, layers: tuple[int, int] | None, context: int, *, output: bool,
-                 batch: int = BATCH) -> int:
+                 batch: int = BATCH, slots: int = 1) -> int:
     """What llama.cpp allocates on a device that holds ``layers`` (inclusive) and, with ``output``, the output layer:
     weights, KV cache, and the compute buffer (with the logits when it holds the output layer)."""
     if layers is None and not output:
@@ -162,7 +162,7 @@ def device_bytes(model: ModelFacts, layers: tuple[int, int] | None, context: int
         size += sum(model.layer_kv_bytes(layer, context) for layer in range(layers[0], layers[1] + 1))
     if output:
         size += model.output_bytes
-    return size + model.compute_bytes(context, last=output, batch=batch)
+    return size + model.compute_bytes(context, last=output, batch=batch, slots=slots)
 
 
 def mib(size: int) -> str:
@@ -203,7 +203,7 @@ def split_for_counts(counts: Sequence[int]) -> tuple[float, ...]:
 
 
 def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Sequence[NodeSpeed], context: int,
-                 objective: str = "latency") -> Plan:
+                 objective: str = "latency", *, slots: int = 1) -> Plan:
     """Exact dynamic programme over contiguous layer ranges, in node order.
 
     ``latency`` minimises the predicted time per token, a sum over the nodes used (decode is sequential
@@ -219,7 +219,7 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
     per_layer = np.array([size + model.layer_kv_bytes(layer, context) for layer, size in enumerate(model.layer_bytes)],
                          dtype=np.int64)
     compute = model.compute_bytes(context, last=False)
-    compute_last = model.compute_bytes(context, last=True) + model.output_bytes
+    compute_last = model.compute_bytes(context, last=True, slots=slots) + model.output_bytes
     prefix = np.concatenate(([0], np.cumsum(per_layer)))
     work = _layer_work(model)
     combine: Callable[[float, float], float] = operator.add if objective == "latency" else max
@@ -260,7 +260,7 @@ def plan_compute(model: ModelFacts, nodes: Sequence[NodeCapacity], speeds: Seque
     split = split_for_counts(counts)
     ranges = layer_ranges(assign_layers(split, layers), n, layers)
     last = max(index for index, count in enumerate(counts) if count > 0)
-    needed = [device_bytes(model, r, context, output=index == last) for index, r in enumerate(ranges)]
+    needed = [device_bytes(model, r, context, output=index == last, slots=slots) for index, r in enumerate(ranges)]
     return Plan(nodes=tuple(node.name for node in nodes), tensor_split=split, layers=tuple(ranges),
                 bytes_needed=tuple(needed), strategy=f"compute ({objective})")
 
@@ -304,18 +304,18 @@ def choice_problem(strategy: str, objective: str | None) -> str | None:
 
 
 def choose(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity], context: int, *,
-           speeds: Sequence[NodeSpeed] | None = None, objective: str = "latency") -> Plan:
+           speeds: Sequence[NodeSpeed] | None = None, objective: str = "latency", slots: int = 1) -> Plan:
     """The plan of ``strategy``: ``compute`` by the nodes' measured ``speeds``, ``memory`` as llama.cpp splits
-    by free memory, ``equal`` the same share each. Raises PlanError for a bad choice or a plan that does not
-    fit."""
+    by free memory, ``equal`` the same share each; ``context``: the KV cells of all ``slots``. Raises PlanError
+    for a bad choice or a plan that does not fit."""
     problem = choice_problem(strategy, objective)
     if problem:
         raise PlanError(problem)
     if strategy == "compute":
         if speeds is None:
             raise PlanError("the compute strategy needs the nodes' measured speeds")
-        return plan_compute(model, nodes, speeds, context, objective)
-    return (plan_memory if strategy == "memory" else plan_equal)(model, nodes, context)
+        return plan_compute(model, nodes, speeds, context, objective, slots=slots)
+    return (plan_memory if strategy == "memory" else plan_equal)(model, nodes, context, slots)
 
 
 # What `api.parallel: auto` tries, the most first: llama-server's own default (`-np` auto) is 4 slots.
@@ -330,9 +330,10 @@ def choose_slots(strategy: str, model: ModelFacts, nodes: Sequence[NodeCapacity]
     tries = AUTO_SLOTS if parallel == "auto" else (parallel,)
     for slots in tries[:-1]:
         with contextlib.suppress(PlanError):  # fewer slots may fit
-            return replace(choose(strategy, model, nodes, context * slots, speeds=speeds, objective=objective),
-                           slots=slots)
-    plan = choose(strategy, model, nodes, context * tries[-1], speeds=speeds, objective=objective)
+            return replace(choose(strategy, model, nodes, context * slots, speeds=speeds, objective=objective,
+                                  slots=slots), slots=slots)
+    plan = choose(strategy, model, nodes, context * tries[-1], speeds=speeds, objective=objective,
+                  slots=tries[-1])
     return replace(plan, slots=tries[-1])
 
 

@@ -74,9 +74,11 @@ def test_the_header_reader_agrees_with_the_gguf_package(tmp_path: Path) -> None:
 
 
 # What llama.cpp (0.3.36) reported allocating on two RPC workers, split 10/8 layers, flash attention on:
-# model buffers, and compute buffers at three contexts (MiB). The model facts must predict them.
+# model buffers, and compute buffers at three contexts (MiB), one slot. The model facts must predict them. With
+# llama.cpp's default room for 512 outputs the last device's were 526.33, 550.33 and 582.33 MiB: the coordinator
+# asks for two per slot (core.model.OUTPUTS_PER_SLOT), and their 2 MiB of logits fit in memory llama.cpp reuses.
 GEMMA_REPORTED = {"model": (35.82, 199.34), "kv_4096_per_layer": 4.0,
-                  "compute": {1024: (29.57, 526.33), 4096: (53.57, 550.33), 8192: (85.57, 582.33)}}
+                  "compute": {1024: (29.57, 29.57), 4096: (53.57, 53.57), 8192: (85.57, 85.57)}}
 
 
 def test_real_model_facts_match_what_llama_cpp_allocates() -> None:
@@ -92,8 +94,9 @@ def test_real_model_facts_match_what_llama_cpp_allocates() -> None:
     assert facts.layer_kv_bytes(0, 4096) == GEMMA_REPORTED["kv_4096_per_layer"] * MIB
     for context, (first, last) in GEMMA_REPORTED["compute"].items():
         assert facts.compute_bytes(context, last=False) / MIB == pytest.approx(first, rel=0.02)
-        # Conservative on the last device: llama.cpp reuses ~15 MiB of it around the logits.
-        assert 0 <= facts.compute_bytes(context, last=True) / MIB - last < 0.03 * last
+        # Conservative on the last device, by at most the logits' rows: llama.cpp fits them in memory it reuses.
+        over = facts.compute_bytes(context, last=True) / MIB - last
+        assert 0 <= over <= facts.logits_buffer_bytes(context) / MIB + 0.02 * last
     assert device_bytes(facts, (10, 17), 4096, output=True) == (
         sum(facts.layer_bytes[10:]) + facts.output_bytes + 8 * 4 * MIB + facts.compute_bytes(4096, last=True))
 

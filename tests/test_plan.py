@@ -89,8 +89,8 @@ def test_compute_plan_explains_every_node() -> None:
     big, tiny, _, far = rows
     assert (big.layers, tiny.layers, far.layers) == ((0, 7), None, None)
     assert big.why == ("8 of 8 layers: fastest placement (1.00 ms fixed + 2.00 ms/layer); holds the output layer "
-                       "(output.weight): 5.0 MiB and a 0.0 MiB logits buffer, 0.00 ms/token, and sends 0 KiB of logits "
-                       "per token")
+                       "(output.weight): 5.0 MiB and a 0.0 MiB logits buffer, 0.00 ms/token, and samples each token "
+                       "there (the logits stay on it)")
     assert tiny.why.startswith("no layers: cannot hold one layer")
     assert far.why == "no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer)"
     assert big.predicted_ms == pytest.approx(17.0)
@@ -124,7 +124,12 @@ def test_the_node_with_the_last_layer_is_shown_the_output_layers_cost() -> None:
                         tied, "compute")
     big = rows[0]
     assert big.layers == (0, 7)
-    assert big.why.endswith("; holds the output layer (the tied token embeddings): 170.0 MiB and a 512.0 MiB logits "
-                            "buffer, 7.50 ms/token, and sends 1024 KiB of logits per token")
-    assert big.needs == device_bytes(tied, (0, 7), 4 * INVENTORY.context, output=True)  # 4 slots (auto)
-    assert big.needs > 8 * (10 << 20) + (170 << 20) + (512 << 20)
+    # 4 slots (auto): room for two outputs each (llama.cpp's default, the 512 tokens of a micro-batch: 512 MiB)
+    assert big.why.endswith("; holds the output layer (the tied token embeddings): 170.0 MiB and a 8.0 MiB logits "
+                            "buffer, 7.50 ms/token, and samples each token there (the logits stay on it)")
+    assert big.needs == device_bytes(tied, (0, 7), 4 * INVENTORY.context, output=True, slots=4)
+    assert big.needs > 8 * (10 << 20) + (170 << 20) + (8 << 20)
+    here = INVENTORY.model_copy(update={"sampling": "coordinator"})
+    _, rows = plan_rows(measured(snapshot(), {"big": (1.0, 1.0), "tiny": (1.0, 5.0)}, output_ms=7.5), here, tied,
+                        "compute")
+    assert rows[0].why.endswith(", and sends 1024 KiB of logits per token")

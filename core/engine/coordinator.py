@@ -176,6 +176,7 @@ def _sequences(parallel: int) -> Iterator[None]:
         # is accepted (llama.cpp's transactional dist): an output nobody takes (a step retried after a failed
         # compute, the prompt's last token before a replay) then leaves the request's draws as they were.
         params.n_outputs_max_per_seq = 2
+        params.n_outputs_max = 2 * parallel
         return params
 
     low.llama_context_default_params = defaults
