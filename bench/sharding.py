@@ -29,12 +29,10 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,77 +60,13 @@ from core.planner import (
     predict_seconds,
     split_for_counts,
 )
+from tests.delay import DelayProxy
 from tests.harness import free_port, listening
 
 CONTEXT = 512
 PROMPT = "The cluster"
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class DelayProxy:
-    """A TCP proxy on loopback that holds every chunk for ``delay`` seconds in each direction, in order."""
-
-    def __init__(self, target_port: int, delay: float) -> None:
-        self.port = free_port()
-        self.target_port = target_port
-        self.delay = delay
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> DelayProxy:
-        self._thread.start()
-        self._started.wait(10)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
-        self._started.set()
-        self._loop.run_forever()
-        pending = asyncio.all_tasks(self._loop)  # open connections: end them quietly
-        for task in pending:
-            task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self._loop.close()
-
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        for writer in (client_writer, server_writer):
-            sock = writer.get_extra_info("socket")
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as ggml-rpc sets it
-        try:
-            await asyncio.gather(self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer),
-                                 return_exceptions=True)
-        except asyncio.CancelledError:
-            pass  # the proxy is closing; end as if the connection had
-        finally:
-            for writer in (client_writer, server_writer):
-                writer.close()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def deliver() -> None:
-            while True:
-                due, data = await queue.get()
-                if not data:
-                    writer.write_eof()
-                    return
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-                writer.write(data)
-                await writer.drain()
-
-        sender = asyncio.ensure_future(deliver())
-        while data := await reader.read(1 << 20):
-            queue.put_nowait((time.monotonic() + self.delay, data))
-        queue.put_nowait((time.monotonic(), b""))
-        await sender
 
 
 def baseline_worker() -> Path:

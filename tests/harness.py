@@ -66,14 +66,17 @@ class Cluster:
     def __init__(self, root: Path, nodes: int, context: int = 512, extra: dict[int, list[str]] | None = None,
                  ssh: list[list[str]] | None = None, base_env: dict[str, str] | None = None,
                  defaults: list[str] | None = None, top: list[str] | None = None,
-                 strategy: str | None = "memory", ports: list[int] | None = None, api: str = "{port: 0}") -> None:
+                 strategy: str | None = "memory", ports: list[int] | None = None, api: str = "{port: 0}",
+                 prefix: list[str] | None = None) -> None:
         """``nodes`` local workers; with ``ssh``, node i is reached over ssh with those inventory lines; ``api``:
-        the inventory's ``api:`` (a key, a queue bound).
+        the inventory's ``api:`` (a key, a queue bound); ``prefix``: what every command runs under (a network
+        namespace's ``ip netns exec``).
 
         ``strategy`` is memory unless asked: identical workers would otherwise get every layer on one node
         (the fastest plan), and the fault tests need every worker in the pipeline. None: the default.
         """
         self.root = root
+        self.prefix = prefix or []
         self.state = root / "state"
         self.ports = ports or [free_port() for _ in range(nodes)]
         self.inventory = root / "inventory.yaml"
@@ -98,7 +101,7 @@ class Cluster:
         return {**self.base_env, "GGML_CLUSTER_STATE_DIR": str(self.state)}
 
     def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([CLI, "-i", str(self.inventory), *args], capture_output=True, text=True,
+        result = subprocess.run([*self.prefix, CLI, "-i", str(self.inventory), *args], capture_output=True, text=True,
                                 env=self.env(), timeout=timeout, check=False)
         if check and result.returncode != 0:
             raise AssertionError(f"ggml-cluster {' '.join(args)} exited {result.returncode}:\n"
@@ -106,7 +109,7 @@ class Cluster:
         return result
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([CLI, "-i", str(self.inventory), *args], stdout=subprocess.PIPE,
+        return subprocess.Popen([*self.prefix, CLI, "-i", str(self.inventory), *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=self.env())
 
     @staticmethod

@@ -23,6 +23,15 @@ NEEDS_SSHD = pytest.mark.skipif(not Path(SSHD).exists() and not os.environ.get("
                                 reason="OpenSSH sshd is not installed here (.ci/run installs it)")
 
 
+def listening_in(namespace: str | None, host: str, port: int) -> bool:
+    """Whether something listens on host:port as seen from the network namespace ``namespace`` (None: ours)."""
+    if namespace is None:
+        return listening(port, host)
+    probe = subprocess.run(["ip", "netns", "exec", namespace, "bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}"],
+                           capture_output=True, check=False)
+    return probe.returncode == 0
+
+
 def keygen(path: Path) -> str:
     """A new passphrase-less ed25519 key pair; returns the public key line."""
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
@@ -65,13 +74,14 @@ class Sshd:
                        f'{chroot.mount_script()} && exec "$0" "$@"']
         self.command = [*inside, SSHD, "-D", "-e", "-f", str(config)]
         self.overlay = chroot
+        self.namespace = namespace
         self.start()
 
     def start(self) -> None:
         """Listen (again): the same port, host key and settings."""
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
-        while not listening(self.port, self.address):
+        while not listening_in(self.namespace, self.address, self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"sshd did not start: {(self.root / 'sshd.log').read_text()}")
             time.sleep(0.05)
