@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import CLI, Cluster, free_port
+from tests.harness import CLI, Cluster, free_port, pid_in
 from tests.netbed import PROFILES, NetBed, available
 from tests.realmodel import real_model
 
@@ -81,7 +81,7 @@ def field_faults(bed: NetBed, cluster: Cluster, workdir: Path, tokens: int) -> N
     index = min(4, len(bed.servers) - 1)
     clean = json.loads(cluster.cli("run", PROMPT, "-n", str(tokens), "--json").stdout)["text"]
     pid_file = workdir / f"test{os.getpid()}" / f"n{index}" / "worker.pid"
-    for label, fault in (("kill -9 of its worker", lambda: os.kill(int(pid_file.read_text()), signal.SIGKILL)),
+    for label, fault in (("kill -9 of its worker", lambda: os.kill(pid_in(pid_file), signal.SIGKILL)),
                          ("its SSH connections cut", bed.servers[index].drop_connections)):
         seconds, text = faulted(cluster, fault, tokens)
         after = "no recovery was needed" if seconds is None else f"next token {seconds:.2f} s after the fault"

@@ -4,6 +4,7 @@ plain reason for what each node got."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from core.errors import PlanError
@@ -24,6 +25,8 @@ class PlanRow:
     usable: int
     why: str
     predicted_ms: float | None = None  # this node's share of a token, when the nodes were measured
+    profile_age_s: float | None = None  # how old the node's profile is
+    live_ms: float | None = None       # what its graph computes take now (the relay's moving average)
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict for JSON."""
@@ -47,8 +50,10 @@ def snapshot_speeds(snapshot: ClusterStatus, nodes: list[NodeStatus], model: Mod
 
 
 def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, strategy: str,
-              objective: str | None = None) -> tuple[Plan, list[PlanRow]]:
-    """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part."""
+              objective: str | None = None, *, now: float | None = None) -> tuple[Plan, list[PlanRow]]:
+    """The plan a strategy gives on the cluster's measured memory and speed, and why each node got its part;
+    with each node's profile age, and what its computes take now against what the running plan predicted."""
+    now = time.time() if now is None else now
     caps = {node.name: node.memory for node in inventory.nodes}
     usable = [node for node in snapshot.nodes if not node.left_out and node.mem_total]
     capacities = [NodeCapacity(node.name, node.mem_free, caps.get(node.name)) for node in usable]
@@ -78,9 +83,31 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         if layers is not None and layers[1] == model.n_layers - 1:
             why += "; " + output_note(model, kv_tokens, speed, slots=plan.slots, sampling=inventory.sampling)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
+        age = now - node.profiled_at if node.profiled_at is not None else None
+        if age is not None:
+            why += "; " + live_note(age, node.compute_ms, node.predicted_ms)
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
-                            capacities[index].usable, why, predicted))
+                            capacities[index].usable, why, predicted, age, node.compute_ms))
     return plan, rows
+
+
+def live_note(age_s: float, live_ms: float | None, planned_ms: float | None) -> str:
+    """A profile's age, and how far the node's live compute time is from its share in the running plan."""
+    note = f"profiled {_age(age_s)} ago"
+    if live_ms is not None and planned_ms:
+        change = live_ms / planned_ms - 1
+        note += f"; live {live_ms:.2f} ms per compute against {planned_ms:.2f} planned ({change:+.0%})"
+    return note
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
 def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None, *, slots: int = 1,

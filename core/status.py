@@ -91,6 +91,7 @@ class NodeStatus:
     layer_ms: float | None = None     # measured cost per token of one (mean-sized) layer here
     output_ms: float | None = None    # measured cost per token of the output layer here
     predicted_ms: float | None = None  # this node's predicted share of a token under the current plan
+    profiled_at: float | None = None  # when the profile behind those numbers was measured (epoch seconds)
     computes: int = 0                 # graph computes the coordinator sent it (seen by the relay; none direct)
     recomputes: int = 0               # re-runs of a graph it already holds
     bytes_to: int = 0

@@ -133,3 +133,18 @@ def test_the_node_with_the_last_layer_is_shown_the_output_layers_cost() -> None:
     _, rows = plan_rows(measured(snapshot(), {"big": (1.0, 1.0), "tiny": (1.0, 5.0)}, output_ms=7.5), here, tied,
                         "compute")
     assert rows[0].why.endswith(", and sends 1024 KiB of logits per token")
+
+
+def test_plan_shows_each_profiles_age_and_how_far_the_live_numbers_are_from_it() -> None:
+    """A profile taken while the machine was busy misleads every later plan: `plan` says how old each one is and
+    what the node's computes take now against the share the running plan gave it."""
+    status = measured(snapshot(), {"big": (1.0, 2.0)})
+    big = status.nodes[0]
+    big.profiled_at, big.compute_ms, big.predicted_ms = 1_000_000.0, 16.5, 21.3
+    _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
+    assert rows[0].why.endswith("; profiled 3 h ago; live 16.50 ms per compute against 21.30 planned (-23%)")
+    assert (rows[0].to_dict()["profile_age_s"], rows[0].to_dict()["live_ms"]) == (3 * 3600, 16.5)
+    big.compute_ms = None  # no request since the plan: the age alone
+    _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
+    assert rows[0].why.endswith("; profiled 90 s ago")
+    assert rows[1].profile_age_s is None and "profiled" not in rows[1].why  # never measured

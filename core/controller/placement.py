@@ -133,6 +133,8 @@ class Placement:
             status.fixed_ms = speed.fixed_s * 1000 if speed else None
             status.layer_ms = speed.per_layer_s * 1000 if speed else None
             status.output_ms = speed.output_s * 1000 if speed else None
+            profile = profiles.nodes.get(name) if profiles is not None else None
+            status.profiled_at = profile.measured_at if profile is not None else None
         for index, (name, layers) in enumerate(zip(plan.nodes, plan.layers, strict=True)):
             every[name].status.layers = layers
             if plan.predicted_s and layers:
