@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import numpy as np
@@ -13,6 +14,18 @@ from core.engine.protocol import Generate
 from core.engine.sampling import LLAMA_DEFAULT_SEED, Draws, Sampler, SamplingParams, chain_seed
 
 VOCAB = 3000
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # struct llama_token_data
+
+
+def cpu_choice(node: NodeSampler, logits: np.ndarray) -> int:
+    """The token the node's chain chooses from ``logits`` on this machine's CPU, as the backend would."""
+    data = np.zeros(logits.size, dtype=TOKEN_DATA)
+    data["id"] = np.arange(logits.size, dtype=np.int32)
+    data["logit"] = logits
+    candidates = lib.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)),
+                                            size=data.size, selected=-1, sorted=False)
+    lib.llama_sampler_apply(node.chain, ctypes.byref(candidates))
+    return int(candidates.data[candidates.selected].id)
 BASE = SamplingParams(temperature=0.8, seed=7, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                       repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0)
 CASES = {
@@ -43,7 +56,7 @@ def test_the_node_chain_chooses_the_coordinators_tokens(name: str) -> None:
     chosen = []
     for logits in logits_stream(1, 150):
         token = ours.choose(logits.copy())
-        assert node.choose(logits.copy()) == token
+        assert cpu_choice(node, logits.copy()) == token
         ours.accept(token)
         node.accept(token)
         chosen.append(token)
@@ -56,14 +69,14 @@ def test_a_replayed_chain_goes_on_as_the_first_one_would() -> None:
     first = NodeSampler(lib, params, 99, VOCAB)
     tokens = []
     for logits in steps:
-        tokens.append(first.choose(logits.copy()))
+        tokens.append(cpu_choice(first, logits.copy()))
         first.accept(tokens[-1])
     resumed = NodeSampler(lib, params, 99, VOCAB)
     for token in tokens[:25]:
         resumed.replayed(token)
     again = []
     for logits in steps[25:]:
-        again.append(resumed.choose(logits.copy()))
+        again.append(cpu_choice(resumed, logits.copy()))
         resumed.accept(again[-1])
     assert again == tokens[25:]
 
@@ -73,7 +86,7 @@ def test_ignore_eos_keeps_the_end_tokens_out_as_the_coordinator_does() -> None:
     node = NodeSampler(lib, replace(BASE, temperature=0.0), 1, VOCAB, ends)
     logits = np.zeros(VOCAB, dtype=np.float32)
     logits[1], logits[9] = 10.0, 5.0
-    assert node.choose(logits) == 9
+    assert cpu_choice(node, logits) == 9
 
 
 def test_draws_are_llama_cpps_mt19937_doubles() -> None:

@@ -40,8 +40,7 @@ def coordinator_reason(request: Generate) -> str | None:
         return "response_format"
     if request.temperature > 0 and request.top_k <= 0:
         return "top_k 0"
-    if request.repeat_last_n > 0 and (request.repeat_penalty != 1.0 or request.presence_penalty != 0.0
-                                      or request.frequency_penalty != 0.0):
+    if SamplingParams.of(request).penalised:
         return "penalties"
     return None
 
@@ -65,8 +64,7 @@ class NodeSampler:
             biases = (lib.llama_logit_bias * int(ends.size))(*[lib.llama_logit_bias(int(token), -np.inf)
                                                                for token in ends])
             add(lib.llama_sampler_init_logit_bias(n_vocab, int(ends.size), biases))
-        if params.repeat_last_n > 0 and (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
-                                         or params.frequency_penalty != 0.0):
+        if params.penalised:
             add(lib.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty,
                                                  params.frequency_penalty, params.presence_penalty))
         if params.temperature <= 0:
@@ -110,14 +108,3 @@ class NodeSampler:
                                                 size=1, selected=-1, sorted=False)
         lib.llama_sampler_apply(self._dist, ctypes.byref(candidates))
         self.accept(token)
-
-    def choose(self, logits: np.ndarray) -> int:
-        """The token the chain chooses from ``logits`` on this machine's CPU, as the backend would (for tests)."""
-        data = np.zeros(logits.size, dtype=_TOKEN_DATA)
-        data["id"] = np.arange(logits.size, dtype=np.int32)
-        data["logit"] = logits
-        lib = self._lib
-        candidates = lib.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)),
-                                                size=data.size, selected=-1, sorted=False)
-        lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
-        return int(candidates.data[candidates.selected].id)

@@ -64,6 +64,13 @@ class SamplingParams:
     presence_penalty: float
     frequency_penalty: float
 
+    @property
+    def penalised(self) -> bool:
+        """Whether the penalties change anything (llama.cpp's penalties sampler is off otherwise:
+        llama_sampler_penalties::is_disabled)."""
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
+
     @classmethod
     def of(cls, request: Generate) -> SamplingParams:
         """The sampling fields of a `Generate`."""
@@ -94,10 +101,7 @@ class Sampler:
         self.grammar = grammar
         # Greedy takes a draw too, as llama.cpp's dist does from a single candidate: replays count the same.
         self._draw = Draws(chain_seed(params.seed))
-        # llama.cpp's penalties sampler is off when it would change nothing (llama_sampler_penalties::is_disabled).
-        penalised = params.repeat_last_n > 0 and (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
-                                                  or params.frequency_penalty != 0.0)
-        self._history: deque[int] | None = deque(maxlen=params.repeat_last_n) if penalised else None
+        self._history: deque[int] | None = deque(maxlen=params.repeat_last_n) if params.penalised else None
         self._counts: Counter[int] = Counter()
 
     def accept(self, token: int, generated: bool = True) -> None:
