@@ -143,6 +143,8 @@ def header(status: ClusterStatus, now: float) -> list[Text]:
         load.append(f"all decode {status.aggregate_decode_tokens_per_s:.1f} tok/s")
     if status.requests_sampled_on_coordinator:  # every logit of every token crossed the network for these
         load.append(f"sampled here {status.requests_sampled_on_coordinator}")
+    if status.tokens_drafted:  # speculative decoding: how many tokens came without a step of their own
+        load.append(f"drafts kept {status.tokens_accepted}/{status.tokens_drafted}")
     return [first, Text("  ".join(parts)), Text("  ".join(load))]
 
 

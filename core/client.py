@@ -373,7 +373,7 @@ async def explain_plan(inventory: Inventory, strategy: str, objective: str | Non
     except ConnectError:
         raise ConnectError(f"cluster '{inventory.cluster}' is not running; `plan` uses its workers' measured "
                            "memory and speed", "fix: run `ggml-cluster up` first") from None
-    model = read_model(Path(json.loads(state.launch.read_text())["model"]))
+    model = read_model(Path(json.loads(state.launch.read_text())["model"]), speculative=inventory.speculates)
     return plan_rows(snapshot, inventory, model, strategy, objective)
 
 

@@ -148,6 +148,10 @@ class Inventory(_Frozen):
     # the network instead of every logit (n_vocab * 4 bytes); coordinator: here, from the logits (requests that
     # need them, logprobs and a JSON schema, are sampled here either way).
     sampling: Literal["node", "coordinator"] = "node"
+    # Speculative decoding: ngram: each slot drafts from its own tokens (core.engine.speculation) and one step
+    # verifies them, so text that repeats what came before costs one network wait per several tokens; off: one
+    # token per step.
+    speculative: Literal["ngram", "off"] = "ngram"
     api: Api = Field(default_factory=Api)
     metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
@@ -161,6 +165,11 @@ class Inventory(_Frozen):
     def api_key(self) -> str | None:
         """The key the API and the metrics endpoint require as a Bearer token; None: they are open (loopback)."""
         return self._api_key
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the coordinator verifies drafted tokens."""
+        return self.speculative != "off"
 
     @property
     def model_path(self) -> Path | None:

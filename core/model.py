@@ -22,6 +22,16 @@ BATCH = 512
 # Outputs (rows of logits) llama.cpp reserves room for per slot: the coordinator asks for two per sequence
 # (n_outputs_max = 2 x slots; core.engine.coordinator), not llama.cpp's default of the whole micro-batch.
 OUTPUTS_PER_SLOT = 2
+# Drafted tokens a slot verifies in one step at most (speculative decoding, core.engine.speculation); each is one
+# more output, whose logits (or sampler) the last device makes room for. Three, because the CPU workers' kernels
+# give a row the logits it gets decoded alone only in batches of up to four rows of a sequence (measured on
+# Gemma 3 270M: 0 difference up to four rows, 0.4-1.0 in a logit from five): with more, greedy text could change.
+DRAFT_MAX = 3
+
+
+def outputs_per_slot(speculative: bool) -> int:
+    """The outputs llama.cpp makes room for per slot: one token and its drafts when speculating."""
+    return 1 + DRAFT_MAX if speculative else OUTPUTS_PER_SLOT
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class ModelFacts:
     tied_output: bool = False      # the output matrix is the token embeddings (no output.weight)
     sliding_window: int = 0        # tokens, for architectures with sliding-window layers
     kv_layer_token_bytes: tuple[int, ...] = ()  # per layer, where the architecture varies its KV heads
+    outputs_per_slot: int = OUTPUTS_PER_SLOT  # as the coordinator loads it (outputs_per_slot())
 
     def kv_bytes(self, context: int) -> int:
         """KV-cache bytes of the largest layer at a context size."""
@@ -74,7 +85,7 @@ class ModelFacts:
         Activations: 4·n_ff + 4.3·n_embd floats per token of the micro-batch, and 8 bytes per (token, KV cell) of
         attention masks, one per KV cache (two with sliding-window layers); calibrated against llama.cpp's
         reported reserve on llama and gemma3 models (within 2%). The last device also holds the logits of the
-        outputs llama.cpp makes room for (OUTPUTS_PER_SLOT per slot; llama.cpp's default, every token of the
+        outputs llama.cpp makes room for (``outputs_per_slot`` per slot; llama.cpp's default, every token of the
         micro-batch, would be 512 MiB for a 262,144-token vocabulary).
         """
         batch = min(context, batch)
@@ -84,11 +95,12 @@ class ModelFacts:
 
     def logits_buffer_bytes(self, context: int, batch: int = BATCH, slots: int = 1) -> int:
         """The logits of the outputs of a micro-batch, which llama.cpp reserves on the last device."""
-        return min(context, batch, OUTPUTS_PER_SLOT * slots) * self.logits_bytes
+        return min(context, batch, self.outputs_per_slot * slots) * self.logits_bytes
 
 
-def read_model(path: Path) -> ModelFacts:
-    """Read layer count, per-layer sizes and the architecture's attention shape from a GGUF file."""
+def read_model(path: Path, *, speculative: bool = False) -> ModelFacts:
+    """Read layer count, per-layer sizes and the architecture's attention shape from a GGUF file; ``speculative``:
+    the coordinator will load it to verify drafts (more outputs per slot)."""
     layout = read_layout(path)
     field = layout.get
 
@@ -123,6 +135,7 @@ def read_model(path: Path) -> ModelFacts:
         raise InventoryError(f"model: {path} declares no layers ({arch}.block_count)")
     per_token = [2 * (head_k + head_v) * heads for heads in per_layer_heads[:n_layers]]
     return ModelFacts(
+        outputs_per_slot=outputs_per_slot(speculative),
         path=path,
         name=path.name,
         architecture=arch,

@@ -118,6 +118,7 @@ class GenerateRequest:
     logprobs: int | None = None      # alternatives to report per token (0: the chosen token's alone); None: none
     json_schema: str | None = None   # the JSON schema (JSON text) the output must follow (response_format)
     ignore_eos: bool = False         # llama-server's: the end-of-text tokens are never chosen (until max_tokens)
+    draft_max: int | None = None     # llama-server's speculative.n_max: drafted tokens per step (0: none)
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], context: int) -> GenerateRequest:
@@ -167,20 +168,21 @@ class GenerateRequest:
                    presence_penalty=_ranged(data, "presence_penalty", 0.0, -2.0, 2.0),
                    frequency_penalty=_ranged(data, "frequency_penalty", 0.0, -2.0, 2.0),
                    stop=_stops(data.get("stop")), logprobs=_count(data, "logprobs", MAX_LOGPROBS),
-                   json_schema=json_schema, ignore_eos=ignore_eos)
+                   json_schema=json_schema, ignore_eos=ignore_eos, draft_max=_count(data, "speculative.n_max"))
 
     def sampling(self) -> dict[str, Any]:
         """The fields the coordinator samples with (core.engine.protocol.Generate's of the same names)."""
         return {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty,
                 "repeat_last_n": self.repeat_last_n, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "logprobs": self.logprobs,
-                "json_schema": self.json_schema, "ignore_eos": self.ignore_eos}
+                "json_schema": self.json_schema, "ignore_eos": self.ignore_eos, "draft_max": self.draft_max}
 
     def to_dict(self) -> dict[str, Any]:
         """The request as the control socket carries it (``parse`` reads it back)."""
         data: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed,
                                 **self.sampling(), "stop": list(self.stop)}
         schema = data.pop("json_schema")
+        data["speculative.n_max"] = data.pop("draft_max")
         data["response_format"] = None if schema is None else {
             "type": "json_schema", "json_schema": {"name": "response", "schema": json.loads(schema)}}
         if self.messages is not None:

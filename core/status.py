@@ -183,6 +183,8 @@ class ClusterStatus:
     requests_sampled_on_coordinator: int = 0
     completion_tokens: int = 0         # tokens generated, since the controller started
     completion_tokens_batched: int = 0  # of them, decoded in a step that carried another sequence's tokens too
+    tokens_drafted: int = 0            # drafted and verified in a step (speculative decoding), of finished requests
+    tokens_accepted: int = 0           # of them, kept: tokens that took no step of their own
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
     api_endpoint: str = ""             # host:port of the OpenAI-compatible API, when it serves
 
@@ -218,6 +220,8 @@ class ClusterStatus:
             "requests_sampled_on_coordinator": self.requests_sampled_on_coordinator,
             "completion_tokens": self.completion_tokens,
             "completion_tokens_batched": self.completion_tokens_batched,
+            "tokens_drafted": self.tokens_drafted,
+            "tokens_accepted": self.tokens_accepted,
             "metrics_endpoint": self.metrics_endpoint,
             "api_endpoint": self.api_endpoint,
         }
@@ -264,6 +268,8 @@ class ClusterStatus:
             requests_sampled_on_coordinator=data.get("requests_sampled_on_coordinator", 0),
             completion_tokens=data.get("completion_tokens", 0),
             completion_tokens_batched=data.get("completion_tokens_batched", 0),
+            tokens_drafted=data.get("tokens_drafted", 0),
+            tokens_accepted=data.get("tokens_accepted", 0),
             metrics_endpoint=data.get("metrics_endpoint", ""),
             api_endpoint=data.get("api_endpoint", ""),
         )

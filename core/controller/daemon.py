@@ -60,7 +60,7 @@ class Controller:
         seams = seams or Seams()
         self.inventory = inventory
         self.state = state
-        self.model = read_model(Path(launch.model))
+        self.model = read_model(Path(launch.model), speculative=inventory.speculates)
         self.log = EventLog(state.events)
         self.tasks = Tasks()
         self.fleet = Fleet(inventory, state, self.log, self.tasks, FleetHooks(
@@ -133,6 +133,7 @@ class Controller:
             prompt_tokens_shared=runner.prompt_tokens_shared, completion_tokens=runner.completion_tokens,
             requests_sampled_on_coordinator=runner.sampled_on_coordinator,
             completion_tokens_batched=runner.completion_tokens_batched,
+            tokens_drafted=runner.tokens_drafted, tokens_accepted=runner.tokens_accepted,
             metrics_endpoint=self.metrics.address if self.metrics else "",
             api_endpoint=self.api.address if self.api else "",
             strategy=plan.strategy if plan else "",

@@ -91,6 +91,8 @@ class RequestRunner:
         self.served = 0
         self.prompt_tokens_shared = 0  # prompt tokens copied from another sequence's KV cells, not evaluated
         self.sampled_on_coordinator = 0  # requests whose logits came to the coordinator (sampling: node aside)
+        self.tokens_drafted = 0     # drafted and verified (speculative decoding)
+        self.tokens_accepted = 0    # of them, kept
         self.completion_tokens = 0  # generated, in every request
         self.completion_tokens_batched = 0  # of them, from a decode step that carried another sequence too
         self.waiting = 0            # in flight: generating, or queued behind those that are
@@ -243,6 +245,8 @@ class RequestRunner:
         self.served += 1
         self.prompt_tokens_shared += answer.shared_tokens
         self.sampled_on_coordinator += answer.sampled_on == "coordinator"
+        self.tokens_drafted += answer.drafted
+        self.tokens_accepted += answer.accepted
         self.rates = {"prompt": _rate(answer.prompt_tokens - answer.shared_tokens, answer.prompt_s),
                       "decode": _rate(answer.completion_tokens, answer.decode_s)}
         await _forward(progress, answer.text, None, send)

@@ -224,7 +224,8 @@ class CoordinatorSupervisor:
                                    tensor_split=plan.used_split, context=self.inventory.context,
                                    chat_format=self.inventory.chat_format,
                                    chat_template_file=str(template_file) if template_file else None,
-                                   parallel=plan.slots, sampling=self.inventory.sampling)
+                                   parallel=plan.slots, sampling=self.inventory.sampling,
+                                   speculative=self.inventory.speculative)
         self.log.record("plan", self.placement.describe())
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:

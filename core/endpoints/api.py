@@ -66,6 +66,8 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = None  # llama-server's, which benchmark clients send
+    # llama-server's: drafted tokens verified per step at most; 0 turns speculative decoding off for the request.
+    speculative_n_max: int | None = Field(default=None, ge=0, alias="speculative.n_max")
     # Metadata that changes nothing in the answer.
     user: str | None = None
     store: bool | None = None
@@ -227,7 +229,8 @@ class _Api:
         # Fields left out (None) take GenerateRequest's defaults; it checks the ranges and names what is wrong.
         return {"max_tokens": limit, "logprobs": logprobs, **parsed.model_dump(include={
             "temperature", "seed", "stop", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
-            "presence_penalty", "frequency_penalty", "response_format", "ignore_eos"})}
+            "presence_penalty", "frequency_penalty", "response_format", "ignore_eos"}),
+                "speculative.n_max": parsed.speculative_n_max}
 
     async def _serve(self, request: web.Request, parsed: _Request, fields: dict[str, Any],
                      shape: _Shape) -> web.StreamResponse:

@@ -57,6 +57,8 @@ from core.engine.slots import (
     Scheduler,
     Slot,
 )
+from core.engine.speculation import NgramDraft
+from core.model import DRAFT_MAX, outputs_per_slot
 
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
 # client answers "supported" for every op, so on a cluster auto means on (llama-bench, llama-server and
@@ -78,6 +80,7 @@ class CoordinatorConfig:
     chat_template_file: str | None = None  # a Jinja chat template file, instead of the GGUF's template
     parallel: int = 1                      # slots: requests decoded together, each with its own `context`
     sampling: str = "node"                 # node: where the output layer is (core.engine.chain); coordinator: here
+    speculative: str = "ngram"             # ngram: drafts verified in the step (core.engine.speculation); off
 
     def to_json(self) -> str:
         """Serialise for the child's command line."""
@@ -85,7 +88,7 @@ class CoordinatorConfig:
                            "tensor_split": list(self.tensor_split), "context": self.context,
                            "threads": self.threads, "chat_format": self.chat_format,
                            "chat_template_file": self.chat_template_file, "parallel": self.parallel,
-                           "sampling": self.sampling})
+                           "sampling": self.sampling, "speculative": self.speculative})
 
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
@@ -95,7 +98,7 @@ class CoordinatorConfig:
                    tensor_split=tuple(data["tensor_split"]), context=int(data["context"]),
                    threads=int(data.get("threads", 1)), chat_format=data.get("chat_format"),
                    chat_template_file=data.get("chat_template_file"), parallel=int(data.get("parallel", 1)),
-                   sampling=data.get("sampling", "node"))
+                   sampling=data.get("sampling", "node"), speculative=data.get("speculative", "ngram"))
 
 
 NO_CHAT_TEMPLATE = ("the model has no chat template (no tokenizer.chat_template in its GGUF, and no chat_template in "
@@ -156,8 +159,9 @@ def load_chat(llm: Any, config: CoordinatorConfig) -> Chat | None:
 
 
 @contextlib.contextmanager
-def _sequences(parallel: int) -> Iterator[None]:
-    """Make the next `Llama` hold ``parallel`` sequences, each in its own KV stream (n_ctx / parallel cells).
+def _sequences(parallel: int, outputs: int) -> Iterator[None]:
+    """Make the next `Llama` hold ``parallel`` sequences, each in its own KV stream (n_ctx / parallel cells), and
+    room for ``outputs`` outputs of each in a step.
 
     llama-cpp-python's Llama has no n_seq_max argument: its constructor starts from
     llama_context_default_params(), so for its duration that returns defaults with the slots' sequences.
@@ -173,10 +177,11 @@ def _sequences(parallel: int) -> Iterator[None]:
         params.n_seq_max = parallel
         params.kv_unified = False
         # Above 1, a sampler on the node draws from a copy of its generator and commits a draw only when the token
-        # is accepted (llama.cpp's transactional dist): an output nobody takes (a step retried after a failed
-        # compute, the prompt's last token before a replay) then leaves the request's draws as they were.
-        params.n_outputs_max_per_seq = 2
-        params.n_outputs_max = 2 * parallel
+        # is accepted (llama.cpp's transactional dist): an output nobody takes (a draft the model rejected, a step
+        # retried after a failed compute, the prompt's last token before a replay) then leaves the request's draws
+        # as they were, and the i-th output of a step takes the i-th draw from there.
+        params.n_outputs_max_per_seq = outputs
+        params.n_outputs_max = outputs * parallel
         return params
 
     low.llama_context_default_params = defaults
@@ -199,11 +204,12 @@ class Generator:
     """A loaded model: turns requests into slots for the scheduler (core.engine.slots)."""
 
     def __init__(self, llm: Any, lib: Any, chat: Chat | None = None, compute: ComputeStatus | None = None,
-                 context: int | None = None, *, on_node: bool = False) -> None:
+                 context: int | None = None, *, on_node: bool = False, speculative: bool = False) -> None:
         """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: how chats become
         prompts, or None (chats are refused); ``compute``: the workers' reported compute failures; ``context``:
         tokens each request may hold (default: the whole context); ``on_node``: sample where the output layer is,
-        each request that can be (core.engine.chain)."""
+        each request that can be (core.engine.chain); ``speculative``: draft tokens from each request's own, for
+        the step to verify (core.engine.speculation)."""
         self.requests = RequestIds()
         self.llm = llm
         self.lib = lib
@@ -214,19 +220,20 @@ class Generator:
         self.n_vocab = llm.n_vocab()
         self._ends: np.ndarray | None = None  # the end-of-text tokens, found when a request first ignores them
         self.on_node = on_node
+        self.speculative = speculative
 
     @classmethod
     def load(cls, config: CoordinatorConfig, compute: ComputeStatus | None = None) -> Generator:
         """Load the model across the registered RPC devices, with a KV sequence of ``context`` cells per slot."""
         import llama_cpp
 
-        with _sequences(config.parallel):
+        with _sequences(config.parallel, outputs_per_slot(config.speculative != "off")):
             llm = llama_cpp.Llama(
                 model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
                 n_ctx=config.context * config.parallel, n_threads=config.threads, n_threads_batch=config.threads,
                 flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
         return cls(llm, llama_cpp, load_chat(llm, config), compute, config.context,
-                   on_node=config.sampling == "node")
+                   on_node=config.sampling == "node", speculative=config.speculative != "off")
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -271,10 +278,12 @@ class Generator:
         def explain(logits: np.ndarray, token: int) -> TokenLogprobs | None:
             return self.logprobs(logits, token, top_n) if top_n is not None else None
 
+        drafts = DRAFT_MAX if request.draft_max is None else min(request.draft_max, DRAFT_MAX)
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
                     choose=self._without_ends(sampler.choose) if request.ignore_eos else sampler.choose,
-                    accept=sampler.accept, replayed=sampler.replayed, explain=explain, node=node)
+                    accept=sampler.accept, replayed=sampler.replayed, explain=explain, node=node,
+                    draft=NgramDraft(prompt + request.replay, drafts) if self.speculative and drafts else None)
 
     def ends(self) -> np.ndarray:
         """The end-of-text (and end-of-turn) tokens."""

@@ -61,6 +61,7 @@ class Generate:
     logprobs: int | None = None     # alternatives per token in each Token's logprobs; None: no logprobs
     json_schema: str | None = None  # JSON text of the schema the output must follow (llama.cpp's grammar sampler)
     ignore_eos: bool = False        # the end-of-text tokens are never chosen (llama-server's field)
+    draft_max: int | None = None    # drafted tokens verified per step at most (0: none); None: the cluster's
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,8 @@ class Done:
     shared_tokens: int = 0  # of the prompt, copied from another sequence's KV cells instead of evaluated
     # node: its tokens were sampled where the output layer is (core.engine.chain); coordinator: from the logits
     sampled_on: str = ""
+    drafted: int = 0   # tokens drafted for it and verified (speculative decoding)
+    accepted: int = 0  # of those, the ones the model chose too (each one a token without a step of its own)
 
 
 @dataclass(frozen=True)

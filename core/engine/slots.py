@@ -24,6 +24,12 @@ dropped for every sequence in it and the same batch is decoded again.
 
 A slot with a sampler for the node (core.engine.chain) has it set on its sequence while it holds the slot: its
 tokens are sampled where the output layer is, and only they cross the network; the others choose from the logits.
+
+A generating slot with a draft (core.engine.speculation) sends tokens drafted after its next one in the same
+step, each with an output. Its outputs are then sampled in order, each as if it were the only one, for as long as
+the token chosen is the draft's next: those drafts are kept with the token chosen after them, the rest and their
+KV cells dropped. Each output samples exactly what one token per step would have (the same logits; a seeded draw
+is taken per token kept), so the text is the same, with fewer steps.
 """
 
 from __future__ import annotations
@@ -95,6 +101,22 @@ class NodeChain(Protocol):
 
     def on_backend(self) -> bool:
         """Whether all of it runs where it was attached."""
+        ...
+
+
+class Draft(Protocol):
+    """A slot's drafts (core.engine.speculation.NgramDraft)."""
+
+    def add(self, token: int) -> None:
+        """``token`` follows the sequence."""
+        ...
+
+    def propose(self, room: int) -> list[int]:
+        """At most ``room`` tokens likely to follow."""
+        ...
+
+    def judged(self, drafted: int, accepted: int) -> None:
+        """Of ``drafted`` tokens, the model chose the first ``accepted``."""
         ...
 
 
@@ -213,6 +235,7 @@ class Slot:
     replayed: Callable[[int], None]  # a replayed token: its random draw, history and grammar step, as first chosen
     explain: Explain
     node: NodeChain | None = None  # its sampler on the node, while the engine takes it; else it chooses here
+    draft: Draft | None = None     # drafts its next tokens (speculative decoding); None: one token per step
     started: float = field(default_factory=time.perf_counter)
     n_past: int = 0            # tokens in its KV cells
     evaluated: int = 0         # of the prompt
@@ -220,6 +243,8 @@ class Slot:
     done_replaying: int = 0    # of request.replay
     pending: int | None = None  # the token it generated last, to evaluate next
     generated: int = 0
+    drafted: int = 0           # drafted tokens verified
+    accepted: int = 0          # of those, kept
     prompt_done: float | None = None
     reported: float = field(default_factory=time.perf_counter)
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
@@ -243,6 +268,7 @@ class _Planned:
     index: int
     kind: str  # prompt | replay | decode
     count: int = 1
+    drafts: tuple[int, ...] = ()  # of a decode: the tokens drafted after its token, at the next indexes
 
 
 class Scheduler:
@@ -321,8 +347,11 @@ class Scheduler:
                 planned.append(_Planned(slot, len(entries), "replay"))
                 entries.append(Entry(token, slot.n_past, slot.seq, last))
             elif slot.pending is not None:
-                planned.append(_Planned(slot, len(entries), "decode"))
-                entries.append(Entry(slot.pending, slot.n_past, slot.seq, True))
+                # Each slot in flight keeps room for one token; drafts take what is left of the batch.
+                drafts = self._drafts(slot, self.engine.n_batch - len(active) - (len(entries) - len(planned)))
+                planned.append(_Planned(slot, len(entries), "decode", 1 + len(drafts), drafts))
+                for offset, token in enumerate((slot.pending, *drafts)):
+                    entries.append(Entry(token, slot.n_past + offset, slot.seq, True))
         prompting = sorted((slot for slot in active if slot.prompting), key=lambda slot: slot.started)
         for index, slot in enumerate(prompting):
             room = self.engine.n_batch - len(entries)
@@ -335,6 +364,12 @@ class Scheduler:
                 entries.append(Entry(token, slot.n_past + offset, slot.seq, offset == len(chunk) - 1))
             planned.append(_Planned(slot, len(entries) - 1, "prompt", len(chunk)))
         return entries, planned
+
+    @staticmethod
+    def _drafts(slot: Slot, room: int) -> tuple[int, ...]:
+        """The tokens drafted after ``slot``'s next: as many as its budget and ``room`` in the batch allow."""
+        room = min(slot.budget - slot.generated - 1, room)
+        return tuple(slot.draft.propose(room)) if slot.draft is not None and room > 0 else ()
 
     def _share(self, slot: Slot, older: list[Slot]) -> bool:
         """Start ``slot``'s prompt from a copy of the longest prefix of it that another sequence's cells hold, when
@@ -412,15 +447,34 @@ class Scheduler:
                 return
         if slot.prompt_done is None:
             slot.prompt_done = time.perf_counter()
-        self._sample(slot, plan.index, batch)
+        slot.drafted += len(plan.drafts)  # before a token that ends the request reports the counts
+        chosen = self._sample(slot, plan.index, batch)
+        if plan.drafts:
+            self._verify(slot, plan, chosen, batch)
 
-    def _sample(self, slot: Slot, index: int, batch: int) -> None:
-        """The slot's next token from the logits at ``index`` of a step that carried ``batch`` sequences, or its
-        end."""
+    def _verify(self, slot: Slot, plan: _Planned, token: int | None, batch: int) -> None:
+        """Keep the drafts the model chose too (``token``: its choice after the slot's own token), each with its
+        choice after it; drop the rest's KV cells."""
+        kept = 0
+        for draft in plan.drafts:
+            if token != draft:
+                break
+            kept += 1
+            slot.accepted += 1
+            token = self._sample(slot, plan.index + kept, batch)
+        if slot.draft is not None:
+            slot.draft.judged(len(plan.drafts), kept)
+        if kept < len(plan.drafts) and self.slots[slot.seq] is slot:
+            slot.n_past -= len(plan.drafts) - kept
+            self.engine.forget(slot.seq, slot.n_past)
+
+    def _sample(self, slot: Slot, index: int, batch: int) -> int | None:
+        """The slot's next token from the logits at ``index`` of a step that carried ``batch`` sequences; None:
+        it ended."""
         slot.pending = None
         if slot.generated >= slot.budget:
             self._finish(slot, "length")
-            return
+            return None
         node = slot.node
         if node is not None:
             token = self.engine.sampled(index)
@@ -432,7 +486,7 @@ class Scheduler:
             token = slot.choose(logits)
         if self.engine.is_end(token):
             self._finish(slot, "stop")
-            return
+            return None
         if node is not None:
             node.accept(token)
         else:
@@ -440,10 +494,13 @@ class Scheduler:
             logprobs = slot.explain(logits, token)  # read before the next step overwrites the logits
         slot.generated += 1
         self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), logprobs, batch))
+        if slot.draft is not None:
+            slot.draft.add(token)
         if slot.generated < slot.budget:
             slot.pending = token
-        else:
-            self._finish(slot, "length")
+            return token
+        self._finish(slot, "length")
+        return None
 
     def _finish(self, slot: Slot, reason: str) -> None:
         finished = time.perf_counter()
@@ -451,7 +508,8 @@ class Scheduler:
         self.emit(Done(slot.rid, reason, slot.decoder.decode(b"", final=True), prompt_tokens=len(slot.prompt),
                        replayed_tokens=len(slot.request.replay), completion_tokens=slot.generated,
                        prompt_s=prompt_done - slot.started, decode_s=finished - prompt_done,
-                       shared_tokens=slot.shared, sampled_on="node" if slot.node is not None else "coordinator"))
+                       shared_tokens=slot.shared, sampled_on="node" if slot.node is not None else "coordinator",
+                       drafted=slot.drafted, accepted=slot.accepted))
         self._release(slot)
 
     def _release(self, slot: Slot) -> None:

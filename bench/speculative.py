@@ -1,0 +1,142 @@
+"""Speculative decoding (`speculative: ngram`, the default) against one token per step (`speculative: off`), on the
+real quantized model, greedy.
+
+Two real workers on loopback, each behind a proxy that holds every chunk ``--delay-ms`` each way (the `wifi`
+profile's 3 ms by default; 0: plain loopback), so each device boundary costs a round trip as on a network. Per
+round each arm loads the coordinator (the child process the controller runs) over the same workers and runs both
+requests; the arms alternate which goes first. The requests:
+- ``copy``: a chat that asks to repeat a paragraph given in the prompt (what drafts from the sequence itself
+  serve best: edit this text, repeat it, code that reuses the names it was given);
+- ``fresh``: a story, where little repeats.
+Reported per arm and request: decode tok/s, drafted and kept tokens, and whether the text equals the other arm's
+(greedy: it must).
+
+    .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--delay-ms 3] [--parallel 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sharding import start_worker
+
+from core.engine.coordinator import CoordinatorConfig
+from tests.delay import DelayProxy
+from tests.harness import free_port
+from tests.realmodel import real_model
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS = ("off", "ngram")
+PARAGRAPH = ("The lighthouse stood on a narrow spit of rock at the mouth of the harbour. Every evening the keeper "
+             "climbed the one hundred and twelve steps, trimmed the wick, polished the great lens and wrote the "
+             "weather in a leather book: the wind, the sea, the ships that passed and the hour the light was lit.")
+REQUESTS = {
+    "copy": [{"role": "user", "content": f"Repeat this paragraph exactly, word for word:\n\n{PARAGRAPH}"}],
+    "fresh": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in "
+                                          "a bottle."}],
+}
+
+
+def run_arm(model: Path, endpoints: list[str], speculative: str, tokens: int,
+            parallel: int) -> dict[str, dict[str, object]]:
+    """Load the coordinator with ``speculative`` and run each request (``parallel`` copies at once): per request,
+    decode tok/s (all copies together), the first copy's text, and the drafted and kept tokens."""
+    config = CoordinatorConfig(model=str(model), endpoints=tuple(endpoints), tensor_split=(0.5, 0.5), context=1024,
+                               parallel=parallel, speculative=speculative, chat_format="gemma")
+    coordinator = subprocess.Popen([sys.executable, "-m", "core.engine.coordinator", config.to_json()],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True, cwd=ROOT, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    assert coordinator.stdin is not None and coordinator.stdout is not None
+    results: dict[str, dict[str, object]] = {}
+    try:
+        ready = json.loads(coordinator.stdout.readline())
+        if ready.get("event") != "ready":
+            raise RuntimeError(f"coordinator did not load: {ready}")
+        rid = 0
+        for name, messages in REQUESTS.items():
+            first_id = rid + 1
+            for _ in range(parallel):
+                rid += 1
+                coordinator.stdin.write(json.dumps({"op": "generate", "id": rid, "messages": messages,
+                                                    "max_tokens": tokens}) + "\n")
+            coordinator.stdin.flush()
+            texts: dict[int, list[str]] = {}
+            done, decode_s, generated, drafted, kept = 0, 0.0, 0, 0, 0
+            while done < parallel:
+                message = json.loads(coordinator.stdout.readline())
+                if message["event"] == "token":
+                    texts.setdefault(message["id"], []).append(message["text"])
+                elif message["event"] == "done":
+                    done += 1
+                    texts.setdefault(message["id"], []).append(message["text"])
+                    decode_s = max(decode_s, message["decode_s"])
+                    generated += message["completion_tokens"] - 1
+                    drafted += message.get("drafted", 0)
+                    kept += message.get("accepted", 0)
+                elif message["event"] == "error":
+                    raise RuntimeError(message)
+            results[name] = {"decode": generated / decode_s, "text": "".join(texts[first_id]), "drafted": drafted,
+                             "kept": kept, "tokens": generated + parallel}
+    finally:
+        coordinator.stdin.close()
+        coordinator.wait(60)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--delay-ms", type=float, default=3.0, help="each way, per chunk, on each worker's link")
+    parser.add_argument("--parallel", type=int, default=1, help="copies of each request decoded together")
+    args = parser.parse_args()
+    model = real_model()
+    ports = [free_port(), free_port()]
+    workers = [start_worker(port) for port in ports]
+    runs: dict[str, list[dict[str, dict[str, object]]]] = {arm: [] for arm in ARMS}
+    try:
+        with ExitStack() as stack:
+            endpoints = [port for port in ports]
+            if args.delay_ms:
+                proxies = [stack.enter_context(DelayProxy(port, args.delay_ms / 1000)) for port in ports]
+                endpoints = [proxy.port for proxy in proxies]
+            for round_ in range(args.rounds):
+                for arm in ARMS[round_ % 2:] + ARMS[:round_ % 2]:
+                    runs[arm].append(run_arm(model, [f"127.0.0.1:{port}" for port in endpoints], arm, args.tokens,
+                                             args.parallel))
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    print(f"model {model.name}, 2 workers on loopback, {args.delay_ms:g} ms each way per chunk, greedy, up to "
+          f"{args.tokens} tokens, {args.parallel} at once, {args.rounds} rounds")
+    for name in REQUESTS:
+        for arm in ARMS:
+            rates = [float(run[name]["decode"]) for run in runs[arm]]  # type: ignore[arg-type]
+            last = runs[arm][-1][name]
+            print(f"{name:<6} speculative {arm:<6} decode {statistics.median(rates):6.1f} tok/s "
+                  f"({', '.join(f'{rate:.1f}' for rate in rates)})  {last['tokens']} tokens, drafted "
+                  f"{last['drafted']}, kept {last['kept']}")
+        paired = statistics.median(float(fast[name]["decode"]) / float(slow[name]["decode"])  # type: ignore[arg-type]
+                                   for fast, slow in zip(runs["ngram"], runs["off"], strict=True))
+        same = all(fast[name]["text"] == slow[name]["text"] for fast, slow in zip(runs["ngram"], runs["off"],
+                                                                                   strict=True))
+        print(f"{name:<6} ngram / off = {paired:.2f} (paired by round); text "
+              f"{'identical' if same else 'DIFFERENT'}")
+        if not same:
+            print(f"  off:   {runs['off'][-1][name]['text']!r}\n  ngram: {runs['ngram'][-1][name]['text']!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
