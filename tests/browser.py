@@ -3,15 +3,15 @@ with the page's console log; and the checks the tests share."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+
+from tests.harness import needs
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -28,11 +28,7 @@ def missing() -> str | None:
 
 def needs_browser() -> None:
     """Skip on a developer machine without Chromium; fail in CI, which installs it."""
-    reason = missing()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    needs(missing())
 
 
 def chrome() -> webdriver.Chrome:
