@@ -198,7 +198,7 @@ class ClusterStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (`status --json`)."""
-        return {
+        data: dict[str, Any] = {
             "cluster": self.cluster,
             "model": self.model,
             "coordinator": self.coordinator.to_dict(),
@@ -230,8 +230,9 @@ class ClusterStatus:
             "completion_tokens_batched": self.completion_tokens_batched,
             "metrics_endpoint": self.metrics_endpoint,
             "api_endpoint": self.api_endpoint,
-            "dashboard_url": self.dashboard_url,
         }
+        data["dashboard_url"] = self.dashboard_url  # derived from api_endpoint: from_dict has nothing to read back
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterStatus:
