@@ -173,6 +173,9 @@ def up(
             err.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
         elif address:
             err.print(shown.format(address), soft_wrap=True, highlight=False)
+    if snapshot.dashboard_url:
+        signing_in = " (sign in with the API key)" if inventory.api_key else ""
+        err.print(f"dashboard: {snapshot.dashboard_url}{signing_in}", soft_wrap=True, highlight=False)
     err.print(f"ready: {ready} worker(s), model {snapshot.model}; "
               f"try `ggml-cluster run \"Hello\"` or `ggml-cluster status`", soft_wrap=True, highlight=False)
 

@@ -261,6 +261,9 @@ class StatusView:
         lines = [*header(self.status, now), Text(), *node_lines(self.status, width, now)]
         if self.events and self.status.events:
             lines += [Text(), Text("events", style="bold"), *event_lines(self.status, self.events)]
+        if self.status.dashboard_url:
+            lines += [Text(), Text(f"web dashboard {self.status.dashboard_url}", style="dim", no_wrap=True,
+                                   overflow="ellipsis")]
         return lines
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:

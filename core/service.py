@@ -208,6 +208,11 @@ class Service(Protocol):
         """Identity of the configuration it runs (inventory and launch files)."""
         ...
 
+    def explain_plan(self) -> list[dict[str, Any]]:
+        """Each node's part of the plan on the running cluster's measured memory and speed and why, as `plan
+        --json`'s rows (the web dashboard's plan); PlanError when the nodes' speeds were not measured."""
+        ...
+
     def serving(self) -> bool:
         """Whether it runs on (False once it has shut down)."""
         ...

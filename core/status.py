@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+DASHBOARD_PATH = "/dashboard/"  # the web dashboard's page on the API's port (core.endpoints.dashboard serves it)
+
 
 class NodeState(StrEnum):
     """Where a node's worker is in its life."""
@@ -188,9 +190,17 @@ class ClusterStatus:
     metrics_endpoint: str = ""         # host:port of the Prometheus endpoint, when it serves
     api_endpoint: str = ""             # host:port of the OpenAI-compatible API, when it serves
 
+    @property
+    def dashboard_url(self) -> str:
+        """The web dashboard's address: served on the API's port, so "" while the API does not serve."""
+        if not self.api_endpoint:
+            return ""
+        host, _, port = self.api_endpoint.rpartition(":")
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}{DASHBOARD_PATH}"
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (`status --json`)."""
-        return {
+        data: dict[str, Any] = {
             "cluster": self.cluster,
             "model": self.model,
             "coordinator": self.coordinator.to_dict(),
@@ -225,6 +235,8 @@ class ClusterStatus:
             "metrics_endpoint": self.metrics_endpoint,
             "api_endpoint": self.api_endpoint,
         }
+        data["dashboard_url"] = self.dashboard_url  # derived from api_endpoint: from_dict has nothing to read back
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterStatus:

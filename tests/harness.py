@@ -39,6 +39,16 @@ def free_port() -> int:
             return port
 
 
+def needs(reason: str | None) -> None:
+    """Skip the test for ``reason`` (what this machine lacks) on a developer's machine; fail it in CI, which
+    installs everything: a skip there would hide a broken install. None: nothing is missing."""
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 def alive(pid: int) -> bool:
     """Whether a process exists (zombies count as gone)."""
     try:
@@ -194,10 +204,7 @@ def small_disk(mount: Path, size: str) -> Iterator[Path]:
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        reason = f"needs root and tmpfs mounts to fill a disk: {result.stderr.strip() or result.returncode}"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+        needs(f"needs root and tmpfs mounts to fill a disk: {result.stderr.strip() or result.returncode}")
     try:
         yield mount
     finally:

@@ -23,8 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
+from tests.harness import needs
 from tests.sshd import Sshd, keygen, listening_in
 
 
@@ -97,11 +96,7 @@ def available() -> str | None:
 
 def needs_bed() -> None:
     """Skip on a developer machine that cannot make a bed; fail in CI, which must."""
-    reason = available()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    needs(available())
 
 
 class NetBed:

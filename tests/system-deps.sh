@@ -4,10 +4,11 @@
 #   node and its Debian root), the aarch64 cross compiler (its worker is cross-built here), and the Vulkan build
 #   tools with Mesa's software Vulkan (lavapipe) for the Vulkan node. On Debian 12 Mesa comes from
 #   bookworm-backports: 22.3's lavapipe crashes the worker mid-compute in 20-50 % of runs, 25.0's did not.
+#   Chromium and its chromedriver: the web dashboard's tests drive a real browser (Selenium, tests/browser.py).
 # Anything missing without root or apt is named, and the tests that need it skip (CI fails them instead).
 set -eu
 packages="openssh-server openssh-client tmux procps qemu-user-static binfmt-support debootstrap
-g++-aarch64-linux-gnu glslc spirv-headers libvulkan-dev vulkan-tools mesa-vulkan-drivers"
+g++-aarch64-linux-gnu glslc spirv-headers libvulkan-dev vulkan-tools mesa-vulkan-drivers chromium chromium-driver"
 . /etc/os-release
 codename=${VERSION_CODENAME:-}
 

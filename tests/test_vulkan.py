@@ -10,7 +10,6 @@ own cache folder, which CI keeps per machine.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from core.model import demo_model
 from core.nodes.build import cache_dir
-from tests.harness import Cluster
+from tests.harness import Cluster, needs
 from tests.test_cluster import single_process
 from tests.test_hardening import gone
 
@@ -44,12 +43,7 @@ def lavapipe() -> str | None:
 
 @pytest.fixture(scope="module", autouse=True)
 def needs_lavapipe() -> None:
-    reason = lavapipe()
-    if reason is None:
-        return
-    if os.environ.get("CI"):  # CI installs them: a skip there would hide a broken install
-        pytest.fail(reason)
-    pytest.skip(reason)
+    needs(lavapipe())
 
 
 def test_a_vulkan_node_on_lavapipe_serves_and_one_without_a_device_is_named_once(short_tmp: Path) -> None:

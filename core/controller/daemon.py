@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from core.controller.events import EventLog, Tasks
 from core.controller.fleet import Fleet, FleetHooks
@@ -35,6 +36,7 @@ from core.model import read_model
 from core.nodes.build import cache_dir
 from core.nodes.remote import remote_for
 from core.nodes.shell import Remote
+from core.plan_explained import plan_rows
 from core.service import GenerateRequest, Send
 from core.state import Launch, StateDir, read_launch
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus
@@ -101,6 +103,11 @@ class Controller:
     def fingerprint(self) -> str:
         """Identity of what this controller runs: its inventory and launch files, and the API key it read."""
         return self.state.fingerprint(self.inventory.api_key)
+
+    def explain_plan(self) -> list[dict[str, Any]]:
+        """Each node's part of the plan on the measured memory and speed and why, as `plan --json`'s rows."""
+        _, rows = plan_rows(self.snapshot(), self.inventory, self.model, self.inventory.strategy)
+        return [row.to_dict() for row in rows]
 
     def serving(self) -> bool:
         """Whether it runs on (False once it has shut down)."""

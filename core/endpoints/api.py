@@ -7,7 +7,7 @@ a node fails is resumed like any other. With an API key, every route but `/healt
 
 Each OpenAI field is used (the sampler's, `stop`, `logprobs`, `response_format`, `stream_options`), accepted as
 metadata that changes nothing (`user`, `store`, ...), or refused with a 400 that names it. Answers carry `usage` and
-llama-server's `timings`.
+llama-server's `timings`. The web dashboard (core.endpoints.dashboard) shares the app and its port.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.endpoints.auth import bearer_matches
+from core.endpoints.dashboard import Dashboard
 from core.errors import Busy, ClusterError, PromptError
 from core.service import MAX_LOGPROBS, GenerateRequest, Send, Service
 from core.status import CoordinatorState
@@ -126,10 +127,13 @@ def _unavailable(exc: ClusterError) -> web.Response:
     return _fail(503, str(exc), "server_error")
 
 
-def _authenticate(key: str) -> Middleware:
-    """Every route but /health answers only requests that carry ``key`` as a Bearer token; the rest get 401."""
+def _authenticate(key: str, dashboard: Dashboard) -> Middleware:
+    """Every route but /health answers only requests that carry ``key`` as a Bearer token; the rest get 401. The
+    dashboard's routes take its session cookie too, and send a browser without either to the sign-in form."""
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if dashboard.owns(request):
+            return await handler(request) if dashboard.admits(request) else dashboard.refuse(request)
         # /health stays open: load balancers and `curl` probes check it without the key, and it tells nothing
         # that the cluster's own status does not.
         if request.path == "/health" or bearer_matches(request.headers.get("Authorization", ""), key):
@@ -392,13 +396,15 @@ def _timings(done: dict[str, Any]) -> dict[str, Any]:
 
 
 async def serve_api(service: Service, host: str, port: int, key: str | None) -> ApiServer:
-    """Serve the API on host:port; with ``key``, every route but /health needs it as a Bearer token (raises
+    """Serve the API and the web dashboard on host:port; with ``key``, every route but /health needs it (raises
     OSError when the port is taken)."""
-    api = _Api(service)
-    app = web.Application(client_max_size=16 << 20, middlewares=[] if key is None else [_authenticate(key)])
+    api, dashboard = _Api(service), Dashboard(service, key)
+    app = web.Application(client_max_size=16 << 20,
+                          middlewares=[] if key is None else [_authenticate(key, dashboard)])
     app.add_routes([
         web.get("/health", api.health), web.get("/v1/models", api.models),
         web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat),
+        *dashboard.routes(),
     ])
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
