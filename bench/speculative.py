@@ -12,6 +12,7 @@ Reported per arm and request: decode tok/s, drafted and kept tokens, and whether
 (greedy: it must).
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--delay-ms 3] [--parallel 1]
+                                          [--sampling node|coordinator]
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ REQUESTS = {
 }
 
 
-def run_arm(model: Path, endpoints: list[str], speculative: str, tokens: int,
-            parallel: int) -> dict[str, dict[str, object]]:
+def run_arm(model: Path, endpoints: list[str], speculative: str, tokens: int, parallel: int,
+            sampling: str) -> dict[str, dict[str, object]]:
     """Load the coordinator with ``speculative`` and run each request (``parallel`` copies at once): per request,
     decode tok/s (all copies together), the first copy's text, and the drafted and kept tokens."""
     config = CoordinatorConfig(model=str(model), endpoints=tuple(endpoints), tensor_split=(0.5, 0.5), context=1024,
-                               parallel=parallel, speculative=speculative, chat_format="gemma")
+                               parallel=parallel, speculative=speculative, chat_format="gemma",
+                               sampling=sampling)
     coordinator = subprocess.Popen([sys.executable, "-m", "core.engine.coordinator", config.to_json()],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    text=True, cwd=ROOT, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
@@ -99,6 +101,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--delay-ms", type=float, default=3.0, help="each way, per chunk, on each worker's link")
     parser.add_argument("--parallel", type=int, default=1, help="copies of each request decoded together")
+    parser.add_argument("--sampling", default="node", choices=("node", "coordinator"), help="where tokens are sampled")
     args = parser.parse_args()
     model = real_model()
     ports = [free_port(), free_port()]
@@ -106,20 +109,20 @@ def main() -> int:
     runs: dict[str, list[dict[str, dict[str, object]]]] = {arm: [] for arm in ARMS}
     try:
         with ExitStack() as stack:
-            endpoints = [port for port in ports]
+            endpoints = list(ports)
             if args.delay_ms:
                 proxies = [stack.enter_context(DelayProxy(port, args.delay_ms / 1000)) for port in ports]
                 endpoints = [proxy.port for proxy in proxies]
             for round_ in range(args.rounds):
                 for arm in ARMS[round_ % 2:] + ARMS[:round_ % 2]:
                     runs[arm].append(run_arm(model, [f"127.0.0.1:{port}" for port in endpoints], arm, args.tokens,
-                                             args.parallel))
+                                             args.parallel, args.sampling))
     finally:
         for worker in workers:
             worker.kill()
             worker.wait()
-    print(f"model {model.name}, 2 workers on loopback, {args.delay_ms:g} ms each way per chunk, greedy, up to "
-          f"{args.tokens} tokens, {args.parallel} at once, {args.rounds} rounds")
+    print(f"model {model.name}, 2 workers on loopback, {args.delay_ms:g} ms each way per chunk, greedy, sampling "
+          f"{args.sampling}, up to {args.tokens} tokens, {args.parallel} at once, {args.rounds} rounds")
     for name in REQUESTS:
         for arm in ARMS:
             rates = [float(run[name]["decode"]) for run in runs[arm]]  # type: ignore[arg-type]

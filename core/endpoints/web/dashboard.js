@@ -145,6 +145,8 @@
     setText(byId("coordinator-detail"), detail.filter(Boolean).join(" · "));
     setText(byId("decode"), number(status.decode_tokens_per_s, 1, " tok/s"));
     setText(byId("decode-all"), status.slots > 1 ? `all ${status.aggregate_decode_tokens_per_s.toFixed(1)} tok/s` : "");
+    // speculative decoding: drafted tokens the model kept took no decode step of their own
+    setText(byId("drafts"), status.tokens_drafted ? `drafts kept ${status.tokens_accepted} / ${status.tokens_drafted}` : "");
     setText(byId("prompt"), number(status.prompt_tokens_per_s, 0, " tok/s"));
     setText(byId("slots"), `${status.slots_busy} / ${status.slots}`);
     setText(byId("queue"), `${status.queue_length} / ${status.queue_limit}`);
