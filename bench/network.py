@@ -4,13 +4,15 @@ a shaped link to the head, where the controller and coordinator run; the real qu
 For each link profile (unshaped; lan: 1 Gbit, 0.25 ms each way; wifi: 100 Mbit, 3 ms each way) one bed of
 ``--nodes`` nodes, and on the same workers (the arms' clusters share the nodes' workdir and ports: each `up` adopts
 them, `down --keep-workers` leaves them), alternating which goes first each round:
-- ``node``: ggml-cluster over ssh, tokens sampled on the output node (`sampling: node`, the default);
-- ``coordinator``: the same with `sampling: coordinator` (every logit of every token crosses the link).
+- ``node``: ggml-cluster over ssh, tokens sampled on the output node (`sampling: node`), `speculative: off`;
+- ``coordinator``: the same with `sampling: coordinator` (every logit of every token crosses the link);
+- ``ngram``: the defaults, `sampling: node` and `speculative: ngram` (drafts verified in the step), with the
+  drafted and kept tokens.
 Reported per arm: decode tok/s (first token to last, as `run` sees them), time to first token, bytes per token
 from and to each node (the relays' counters in `status`), and `up` (the first one on a bed starts the workers).
-With ``--faults``, then, on each bed: a `kill -9` of the worker of the 5th node (or the last, with fewer) and a cut
-of that node's SSH connections, each in the middle of a request: the time from the fault to the next token, and
-whether the text is the fault-free one.
+With ``--faults``, then, on each bed, with the defaults: a `kill -9` of the worker of the 5th node (or the last,
+with fewer) and a cut of that node's SSH connections, each in the middle of a request: the time from the fault to
+the next token, and whether the text is the fault-free one.
 
     .venv/bin/python bench/network.py [--nodes 2] [--profiles unshaped,lan,wifi] [--rounds 2] [--tokens 64]
                                       [--faults]
@@ -36,7 +38,10 @@ from tests.harness import CLI, Cluster, free_port, pid_in
 from tests.netbed import PROFILES, NetBed, available
 from tests.realmodel import real_model
 
-ARMS = ("node", "coordinator")
+# Each arm's inventory lines.
+ARMS = {"node": ["sampling: node", "speculative: off"], "coordinator": ["sampling: coordinator", "speculative: off"],
+        "ngram": ["sampling: node", "speculative: ngram"]}
+NAMES = tuple(ARMS)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -44,22 +49,26 @@ def arm_cluster(bed: NetBed, root: Path, arm: str, nodes: int, ports: list[int],
     (root / arm).mkdir(parents=True, exist_ok=True)
     return Cluster(root / arm, nodes=nodes, ssh=[bed.node_lines(index) for index in range(nodes)],
                    base_env=bed.env(), prefix=bed.prefix, strategy="equal", ports=ports, context=1024,
-                   top=[f"model: {model}", f"sampling: {arm}"], defaults=[f"workdir: {root / 'nodes'}"],
+                   top=[f"model: {model}", *ARMS[arm]], defaults=[f"workdir: {root / 'nodes'}"],
                    api="{port: 0, parallel: 1}")
 
 
 def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
-    """One greedy request: decode tok/s, first token (s), and each node's bytes per token each way."""
-    before = cluster.status()["nodes"]
+    """One greedy request: decode tok/s, first token (s), each node's bytes per token each way, and the tokens
+    drafted and kept."""
+    start = cluster.status()
     result = json.loads(cluster.cli("run", PROMPT, "-n", str(tokens), "--json").stdout)
-    after = cluster.status()["nodes"]
+    end = cluster.status()
+    before, after = start["nodes"], end["nodes"]
     timings = result["timings"]
     generated = result["completion_tokens"]
     pairs = list(zip(before, after, strict=True))
     return {"decode": (generated - 1) / (timings["total_s"] - timings["first_token_s"]),
             "first": timings["first_token_s"],
             "from": [(now["bytes_from"] - then["bytes_from"]) / generated for then, now in pairs],
-            "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs]}
+            "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs],
+            "drafted": end["tokens_drafted"] - start["tokens_drafted"],
+            "kept": end["tokens_accepted"] - start["tokens_accepted"]}
 
 
 def faulted(cluster: Cluster, fault: object, tokens: int) -> tuple[float | None, str]:
@@ -94,11 +103,12 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
     bed = NetBed(root / "bed", args.nodes, profile)
     ports = [free_port() for _ in range(args.nodes)]
     clusters = {arm: arm_cluster(bed, root, arm, args.nodes, ports, model) for arm in ARMS}
-    runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in ARMS}
+    runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in NAMES}
     ups: list[float] = []
     try:
         for round_ in range(args.rounds):
-            for arm in ARMS[round_ % 2:] + ARMS[:round_ % 2]:
+            shift = round_ % len(NAMES)
+            for arm in NAMES[shift:] + NAMES[:shift]:
                 cluster = clusters[arm]
                 started = time.monotonic()
                 cluster.cli("up")
@@ -107,9 +117,9 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
                 runs[arm].append(measure(cluster, args.tokens))
                 cluster.cli("down", "--keep-workers")
         if args.faults:
-            clusters["node"].cli("up")
-            print(f"{profile}, faults mid-request (sampling node):")
-            field_faults(bed, clusters["node"], root / "nodes", 4 * args.tokens)
+            clusters["ngram"].cli("up")
+            print(f"{profile}, faults mid-request (the defaults: sampling node, speculative ngram):")
+            field_faults(bed, clusters["ngram"], root / "nodes", 4 * args.tokens)
     finally:
         for cluster in clusters.values():
             cluster.cli("down", check=False)
@@ -139,7 +149,7 @@ def main() -> int:
     for profile, runs in results.items():
         shape = PROFILES[profile]
         link = f"{shape.rate or 'unshaped'}, {shape.delay_ms:g} ms each way"
-        for arm in ARMS:
+        for arm in NAMES:
             decode = statistics.median(float(run["decode"]) for run in runs[arm])  # type: ignore[arg-type]
             rates[profile, arm] = decode
             first = statistics.median(float(run["first"]) for run in runs[arm])  # type: ignore[arg-type]
@@ -149,8 +159,10 @@ def main() -> int:
                         for node in range(args.nodes)]
             print(f"{profile:<9} ({link:<26}) sampling {arm:<11} decode {decode:6.1f} tok/s  first token "
                   f"{first * 1000:6.0f} ms  B/token from nodes {' / '.join(f'{value:,.0f}' for value in sent)}  "
-                  f"to nodes {' / '.join(f'{value:,.0f}' for value in received)}")
-        print(f"{profile:<9} node / coordinator = {rates[profile, 'node'] / rates[profile, 'coordinator']:.2f}")
+                  f"to nodes {' / '.join(f'{value:,.0f}' for value in received)}  drafted / kept "
+                  f"{runs[arm][-1]['drafted']} / {runs[arm][-1]['kept']}")
+        print(f"{profile:<9} node / coordinator = {rates[profile, 'node'] / rates[profile, 'coordinator']:.2f}, "
+              f"ngram / node = {rates[profile, 'ngram'] / rates[profile, 'node']:.2f}")
     if "unshaped" in results:
         for profile in results:
             if profile != "unshaped":

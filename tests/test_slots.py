@@ -20,15 +20,8 @@ from core.engine.protocol import (
     PromptTokens,
     Token,
 )
-from core.engine.slots import (
-    RETRY_DELAYS_S,
-    SHARE_MIN_TOKENS,
-    ComputeFailure,
-    Entry,
-    PersistentComputeFailure,
-    Scheduler,
-    Slot,
-)
+from core.engine.slots import RETRY_DELAYS_S, SHARE_MIN_TOKENS, PersistentComputeFailure, Scheduler, Slot
+from core.engine.step import ComputeFailure, Entry
 
 CONTEXT = 4096
 

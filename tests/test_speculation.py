@@ -8,8 +8,9 @@ from collections.abc import Callable
 import numpy as np
 
 from core.engine.protocol import Answer, ComputeFailed, Done, Generate, Token
-from core.engine.slots import Entry, Scheduler, Slot
+from core.engine.slots import Scheduler, Slot
 from core.engine.speculation import NgramDraft
+from core.engine.step import Entry
 from core.model import DRAFT_MAX
 from tests.test_slots import FakeEngine, Ids, OnNode
 

@@ -31,6 +31,7 @@ from typing import IO, Any
 import numpy as np
 
 from core.engine.chain import NodeSampler, coordinator_reason
+from core.engine.llama_context import LlamaEngine
 from core.engine.protocol import (
     EXIT_COMPUTE_FAILED,
     Answer,
@@ -47,16 +48,7 @@ from core.engine.protocol import (
 )
 from core.engine.rpc_client import ComputeStatus, register_rpc_servers
 from core.engine.sampling import GrammarError, logprobs, sampler_for
-from core.engine.slots import (
-    Choose,
-    ComputeFailure,
-    Entry,
-    NodeChain,
-    PersistentComputeFailure,
-    RequestIds,
-    Scheduler,
-    Slot,
-)
+from core.engine.slots import Choose, PersistentComputeFailure, RequestIds, Scheduler, Slot
 from core.engine.speculation import NgramDraft
 from core.model import DRAFT_MAX, outputs_per_slot
 
@@ -166,7 +158,7 @@ def _sequences(parallel: int, outputs: int) -> Iterator[None]:
     llama-cpp-python's Llama has no n_seq_max argument: its constructor starts from
     llama_context_default_params(), so for its duration that returns defaults with the slots' sequences.
     Separate streams (not unified): each slot attends over its own cells only and is sure of its whole context; a
-    prefix two prompts share is copied from one stream to the other (LlamaEngine.copy).
+    prefix two prompts share is copied from one stream to the other (core.engine.llama_context.LlamaEngine.copy).
     """
     from llama_cpp import llama_cpp as low
 
@@ -189,15 +181,6 @@ def _sequences(parallel: int, outputs: int) -> Iterator[None]:
         yield
     finally:
         low.llama_context_default_params = original
-
-
-def last_logits(lib: Any, llm: Any, n_vocab: int, index: int = -1) -> np.ndarray:
-    """The logits of the last decoded batch's ``index``-th output (default: its last token), without a copy
-    (``lib``: the llama_cpp module).
-
-    Reading them waits for the graph: llama_decode itself may return before it is done.
-    """
-    return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, index), shape=(n_vocab,))
 
 
 class Generator:
@@ -311,82 +294,6 @@ class Generator:
     def _piece(self, token: int, logprob: float) -> TopLogprob:
         piece = self.llm.detokenize([token])
         return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
-
-
-class LlamaEngine:
-    """The loaded model's llama.cpp context, driven with batches of several sequences (see core.engine.slots)."""
-
-    def __init__(self, generator: Generator) -> None:
-        llm, lib = generator.llm, generator.lib
-        self.n_batch = int(llm.n_batch)
-        self._llm, self._lib, self._ctx = llm, lib, llm.ctx
-        self._compute = generator.compute
-        self._vocab, self._n_vocab = generator.vocab, generator.n_vocab
-        self._memory = lib.llama_get_memory(llm.ctx)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)  # lives as long as the process
-
-    def decode(self, entries: list[Entry]) -> int:
-        """llama_decode of one batch."""
-        batch = self._batch
-        batch.n_tokens = len(entries)
-        for index, entry in enumerate(entries):
-            batch.token[index] = entry.token
-            batch.pos[index] = entry.pos
-            batch.n_seq_id[index] = 1
-            batch.seq_id[index][0] = entry.seq
-            batch.logits[index] = entry.logits
-        return int(self._lib.llama_decode(self._ctx, batch))
-
-    def synchronize(self) -> None:
-        """Wait for the graph on every device (llama_decode may return before)."""
-        self._lib.llama_synchronize(self._ctx)
-
-    def take_failure(self) -> ComputeFailure | None:
-        """A failed compute a worker reported, if any."""
-        return self._compute.take() if self._compute is not None else None
-
-    def logits(self, index: int) -> np.ndarray:
-        """The logits of the batch's ``index``-th entry, without a copy."""
-        return last_logits(self._lib, self._llm, self._n_vocab, index)
-
-    def forget(self, seq: int, start: int) -> None:
-        """Drop a sequence's KV cells from ``start`` on."""
-        self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
-
-    def copy(self, source: int, target: int, length: int) -> None:
-        """Give ``target`` the cells of ``source``'s first ``length`` positions.
-
-        Each sequence has a KV stream of its own, and llama.cpp copies across streams only whole: the copy (worker-
-        side, RPC COPY_TENSOR per layer, at the next llama_decode) takes the stream, then the rest is dropped.
-        """
-        self._lib.llama_memory_seq_cp(self._memory, source, target, -1, -1)
-        self._lib.llama_memory_seq_rm(self._memory, target, length, -1)
-
-    def text(self, token: int) -> bytes:
-        """A token's bytes."""
-        return bytes(self._llm.detokenize([token]))
-
-    def is_end(self, token: int) -> bool:
-        """End of text or of a turn."""
-        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
-
-    def attach(self, seq: int, sampler: NodeChain) -> bool:
-        """Run ``sampler``'s chain on the output layer's device for ``seq`` (llama_set_sampler); False: it cannot
-        run there whole."""
-        if not self._lib.llama_set_sampler(self._ctx, seq, sampler.chain):
-            return False
-        if not sampler.on_backend():
-            self.detach(seq)
-            return False
-        return True
-
-    def detach(self, seq: int) -> None:
-        """``seq``'s outputs are logits again."""
-        self._lib.llama_set_sampler(self._ctx, seq, None)
-
-    def sampled(self, index: int) -> int:
-        """The token the node sampled for the batch's ``index``-th entry (-1: none)."""
-        return int(self._lib.llama_get_sampled_token_ith(self._ctx, index))
 
 
 def _read_requests(generator: Generator, requests: queue.Queue[Request | None], out: IO[str]) -> None:

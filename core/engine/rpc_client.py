@@ -7,7 +7,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from core.engine.slots import ComputeFailure
+from core.engine.step import ComputeFailure
 
 # Where llama-cpp-python loads its libraries from, instead of its own lib/ folder.
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"

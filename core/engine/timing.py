@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from core.engine.coordinator import FLASH_ATTENTION, emit, last_logits
+from core.engine.coordinator import FLASH_ATTENTION, emit
+from core.engine.llama_context import last_logits
 from core.engine.protocol import Generate, Token
 from core.engine.rpc_client import register_rpc_servers
 from core.engine.sampling import Sampler, SamplingParams
