@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from core.api_key import API_KEY_ENV, environment_key, read_api_key
 from core.errors import InventoryError
@@ -165,6 +165,12 @@ class Inventory(_Frozen):
     def api_key(self) -> str | None:
         """The key the API and the metrics endpoint require as a Bearer token; None: they are open (loopback)."""
         return self._api_key
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        """YAML 1.1 reads a bare ``off`` (``no``, ``false``) as false and ``on`` as true: they mean off and ngram."""
+        return {False: "off", True: "ngram"}.get(value, value) if isinstance(value, bool) else value
 
     @property
     def speculates(self) -> bool:

@@ -131,6 +131,15 @@ def test_missing_inventory_file_exits_2(tmp_path: Path) -> None:
     assert "no such inventory file" in result.output
 
 
+def test_speculative_off_written_plainly_turns_it_off() -> None:
+    # YAML 1.1 reads a bare `off` as false: what a user types must still mean off, not an error.
+    for written in ("off", "'off'", "false"):
+        inventory = parse_inventory(f"cluster: lab\nspeculative: {written}\n" + LOCAL.split("\n", 1)[1], "inv.yaml")
+        assert inventory.speculative == "off" and not inventory.speculates, written
+    assert parse_inventory(LOCAL, "inv.yaml").speculates
+    assert parse_inventory("cluster: lab\nspeculative: on\n" + LOCAL.split("\n", 1)[1], "inv.yaml").speculates
+
+
 def test_defaults_apply_unless_the_node_overrides() -> None:
     inventory = parse_inventory(
         "cluster: lab\ndefaults:\n  user: llama\n  rpc_port: 6000\n  labels: {site: home}\n"
