@@ -22,11 +22,13 @@ BATCH = 512
 # Outputs (rows of logits) llama.cpp reserves room for per slot: the coordinator asks for two per sequence
 # (n_outputs_max = 2 x slots; core.engine.coordinator), not llama.cpp's default of the whole micro-batch.
 OUTPUTS_PER_SLOT = 2
+# Rows a decode step may hold for each row's logits to be those of its token decoded alone: the CPU workers'
+# kernels take another path from five rows on (measured on Gemma 3 270M: 0 difference up to four rows, 0.4-1.0 in
+# a logit from five), which can change a greedy choice at a near-tie. Drafts only fill rows up to this many.
+INVARIANT_ROWS = 4
 # Drafted tokens a slot verifies in one step at most (speculative decoding, core.engine.speculation); each is one
-# more output, whose logits (or sampler) the last device makes room for. Three, because the CPU workers' kernels
-# give a row the logits it gets decoded alone only in batches of up to four rows of a sequence (measured on
-# Gemma 3 270M: 0 difference up to four rows, 0.4-1.0 in a logit from five): with more, greedy text could change.
-DRAFT_MAX = 3
+# more output, whose logits (or sampler) the last device makes room for.
+DRAFT_MAX = INVARIANT_ROWS - 1
 
 
 def outputs_per_slot(speculative: bool) -> int:

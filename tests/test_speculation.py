@@ -11,7 +11,7 @@ from core.engine.protocol import Answer, ComputeFailed, Done, Generate, Token
 from core.engine.slots import Scheduler, Slot
 from core.engine.speculation import NgramDraft
 from core.engine.step import Entry
-from core.model import DRAFT_MAX
+from core.model import DRAFT_MAX, INVARIANT_ROWS
 from tests.test_slots import FakeEngine, Ids, OnNode
 
 VOCAB = 64
@@ -225,3 +225,18 @@ def test_a_resumed_request_drafts_from_its_replayed_tokens_too() -> None:
     assert first[:12] + tokens(resumed, 1) == first
     replay_steps = 1 + 12  # the prompt, then each replayed token alone, as first decoded
     assert len(engine.batches[replay_steps]) > 1  # its first new step already carries drafts
+
+
+def test_drafts_only_fill_the_rows_that_keep_every_tokens_logits_its_own() -> None:
+    # Two slots generating: one step holds at most INVARIANT_ROWS rows of their tokens and drafts together; four
+    # slots fill them with their own tokens, and nothing is drafted.
+    for parallel in (2, 4):
+        engine = ScriptEngine(repeating)
+        prompts = [PROMPT[-4:], PROMPT[-5:], PROMPT[-6:], PROMPT[-7:]][:parallel]
+        spec = generate(engine, *(drafting(rid, prompt, 20) for rid, prompt in enumerate(prompts)),
+                        parallel=parallel)
+        decode_steps = [batch for batch in engine.batches if len({entry.seq for entry in batch}) == parallel
+                        and all(entry.logits for entry in batch)]
+        assert decode_steps and all(len(batch) <= max(INVARIANT_ROWS, parallel) for batch in decode_steps)
+        drafted = sum(done(spec, rid).drafted for rid in range(parallel))
+        assert drafted > 0 if parallel == 2 else drafted == 0

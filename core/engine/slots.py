@@ -57,6 +57,7 @@ from core.engine.protocol import (
     TokenLogprobs,
 )
 from core.engine.step import Draft, Engine, Entry, NodeChain
+from core.model import INVARIANT_ROWS
 
 PROGRESS_INTERVAL_S = 0.5  # a replay reports how far it got at most this often
 # A step whose compute a worker reported failed is retried in place this often, after these pauses (a transient
@@ -235,6 +236,9 @@ class Scheduler:
         entries: list[Entry] = []
         planned: list[_Planned] = []
         active = [slot for slot in self.slots if slot is not None]
+        # Drafts fill the rows the step's own tokens leave below INVARIANT_ROWS, so that a kept draft's token has
+        # the logits it would have had decoded alone (they never take a row another slot's token needs).
+        spare = INVARIANT_ROWS - sum(not slot.prompting for slot in active)
         for slot in active:
             if slot.prompting:
                 continue
@@ -244,8 +248,8 @@ class Scheduler:
                 planned.append(_Planned(slot, len(entries), "replay"))
                 entries.append(Entry(token, slot.n_past, slot.seq, last))
             elif slot.pending is not None:
-                # Each slot in flight keeps room for one token; drafts take what is left of the batch.
-                drafts = self._drafts(slot, self.engine.n_batch - len(active) - (len(entries) - len(planned)))
+                drafts = self._drafts(slot, min(spare, self.engine.n_batch - len(active)))
+                spare -= len(drafts)
                 planned.append(_Planned(slot, len(entries), "decode", 1 + len(drafts), drafts))
                 for offset, token in enumerate((slot.pending, *drafts)):
                     entries.append(Entry(token, slot.n_past + offset, slot.seq, True))
