@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import big_model
-from sharding import decode_ms, start_worker
+from sharding import decode_ms, start_worker, stop_workers
 
 from core.controller.fleet import METRICS_INTERVAL_S
 from core.nodes.build import cache_dir
@@ -85,9 +85,7 @@ def main() -> int:
         stop.set()
         sampler.join()
         asyncio.run(host.close(relays))
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+        stop_workers(workers)
     rate = {label: 1000 / statistics.median(values) for label, values in samples.items()}
     for label, values in samples.items():
         print(f"{label:<8} ms/token {', '.join(f'{value:.2f}' for value in values)}  median "

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from relay import start_relays
-from sharding import start_worker
+from sharding import start_worker, stop_workers
 
 from core.engine.coordinator import CoordinatorConfig
 from core.rpc.relay import RelayHost
@@ -124,9 +124,7 @@ def main() -> int:
                     buffers[arm] = compute_buffers(log)
     finally:
         asyncio.run(host.close(relays))
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+        stop_workers(workers)
     print(f"model {model.name}, 2 workers on loopback through relays, {args.parallel} request(s) at once, "
           f"{args.tokens} tokens each, {args.rounds} rounds")
     for arm in ARMS:

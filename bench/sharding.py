@@ -102,6 +102,13 @@ def start_worker(port: int, binary: Path | None = None) -> subprocess.Popen[byte
     return process
 
 
+def stop_workers(workers: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Kill the workers ``start_worker`` started, and wait for each to go."""
+    for worker in workers:
+        worker.kill()
+        worker.wait()
+
+
 def decode_ms(model: Path, endpoints: Sequence[str], counts: Sequence[int], tokens: int) -> float:
     """Measured ms/token of decode with ``counts`` layers per endpoint (only the nodes that hold layers)."""
     used = [(endpoint, count) for endpoint, count in zip(endpoints, counts, strict=True) if count]
@@ -251,9 +258,7 @@ def skewed(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache:
             result["brute force best"] = min(value for label, value in result.items() if label.startswith("brute"))
             return result
     finally:
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+        stop_workers(workers)
 
 
 def identical(args: argparse.Namespace, model_path: Path, model: ModelFacts, cache: Path) -> dict[str, float]:
@@ -269,9 +274,7 @@ def identical(args: argparse.Namespace, model_path: Path, model: ModelFacts, cac
         return compare(cluster, {"memory (llama.cpp)": counts_of(plan_memory(model, capacities, CONTEXT)),
                                  "compute (ours)": counts_of(plan_compute(model, capacities, speeds, CONTEXT))}, args)
     finally:
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+        stop_workers(workers)
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sharding import start_worker
+from sharding import start_worker, stop_workers
 
 from core.engine.coordinator import CoordinatorConfig
 from tests.delay import DelayProxy
@@ -118,9 +118,7 @@ def main() -> int:
                     runs[arm].append(run_arm(model, [f"127.0.0.1:{port}" for port in endpoints], arm, args.tokens,
                                              args.parallel, args.sampling))
     finally:
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+        stop_workers(workers)
     print(f"model {model.name}, 2 workers on loopback, {args.delay_ms:g} ms each way per chunk, greedy, sampling "
           f"{args.sampling}, up to {args.tokens} tokens, {args.parallel} at once, {args.rounds} rounds")
     for name in REQUESTS:

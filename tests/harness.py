@@ -14,7 +14,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
 CLI = str(Path(sys.executable).with_name("ggml-cluster"))
@@ -185,14 +187,21 @@ def big_model(path: Path | None = None) -> Path:
     return path
 
 
-def running_cluster(prefix: str, nodes: int) -> Iterator[Cluster]:
-    """A local cluster of ``nodes`` workers on the demo model, up for as long as the generator runs."""
+def running_cluster(prefix: str, nodes: int, **options: Any) -> Iterator[Cluster]:
+    """A local cluster of ``nodes`` workers on the demo model (``options``: Cluster's), up for as long as the
+    generator runs."""
     root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    cluster = Cluster(root, nodes=nodes)
+    cluster = Cluster(root, nodes=nodes, **options)
     cluster.cli("up")
     yield cluster
     cluster.cli("down", check=False)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def api_client(cluster: Cluster) -> openai.OpenAI:
+    """An OpenAI client of the cluster's API (no key, no retries: a test sees every failure)."""
+    return openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
+                         timeout=300)
 
 
 @contextlib.contextmanager

@@ -10,12 +10,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from core.model import demo_model, read_model
 from core.nodes.build import cache_dir
-from tests.harness import Cluster, run_with_fault
+from tests.harness import Cluster, api_client, run_with_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -33,11 +32,6 @@ def cluster() -> Iterator[Cluster]:
     demo.cli("down", check=False)
 
 
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
 def output_node_bytes(cluster: Cluster) -> int:
     """Bytes the worker with the last layers (the output layer) has sent the coordinator so far."""
     nodes = [node for node in cluster.status()["nodes"] if node["layers"]]
@@ -47,7 +41,7 @@ def output_node_bytes(cluster: Cluster) -> int:
 def complete(cluster: Cluster, **fields: object) -> tuple[str, int, int]:
     """A completion's text, its tokens, and the bytes the output node sent for it."""
     before = output_node_bytes(cluster)
-    choice = client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, **fields)  # type: ignore[call-overload]
+    choice = api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, **fields)  # type: ignore[call-overload]
     assert choice.usage is not None
     return choice.choices[0].text, choice.usage.completion_tokens, output_node_bytes(cluster) - before
 
@@ -68,7 +62,7 @@ def test_sampled_on_the_node_the_text_is_the_coordinators_and_the_logits_stay_th
 
 def test_a_json_schema_or_penalties_are_sampled_on_the_coordinator_and_counted(cluster: Cluster) -> None:
     counted = cluster.status()["requests_sampled_on_coordinator"]
-    api = client(cluster)
+    api = api_client(cluster)
     api.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0,
                            extra_body={"response_format": {"type": "json_object"}})
     penalised = api.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0, presence_penalty=0.5)

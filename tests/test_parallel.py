@@ -13,10 +13,9 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
-from tests.harness import Cluster
+from tests.harness import Cluster, api_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -35,15 +34,10 @@ def cluster4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster.cli("down", check=False)
 
 
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
 @pytest.fixture(scope="module")
 def alone(cluster4: Cluster) -> list[str]:
     """Each prompt's greedy text, run alone."""
-    api = client(cluster4)
+    api = api_client(cluster4)
     return [api.completions.create(model="any", prompt=prompt, max_tokens=TOKENS, temperature=0).choices[0].text
             for prompt in PROMPTS]
 
@@ -52,7 +46,7 @@ class Streams:
     """The four prompts streamed at once: each one's pieces and why it ended."""
 
     def __init__(self, cluster: Cluster) -> None:
-        self.api = client(cluster)
+        self.api = api_client(cluster)
         self.pieces: list[list[str]] = [[] for _ in PROMPTS]
         self.reasons: list[str | None] = [None] * len(PROMPTS)
         self.started = threading.Barrier(len(PROMPTS))
@@ -120,7 +114,7 @@ def test_a_worker_killed_while_four_streams_run_loses_and_repeats_no_token_in_an
 
 
 def test_n_choices_are_generated_together_in_slots_of_their_own(cluster4: Cluster, alone: list[str]) -> None:
-    api = client(cluster4)
+    api = api_client(cluster4)
     shared_before = cluster4.status()["prompt_tokens_shared"]
     greedy = api.completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, n=4)
     # The prompt is evaluated once: the other three choices start from a copy of its KV cells (all but its last
@@ -155,13 +149,13 @@ def test_a_client_that_disconnects_frees_its_slot_and_the_others_finish_whole(cl
     while cluster4.status()["slots_busy"]:  # the slot came free: the coordinator dropped the request
         assert time.monotonic() < deadline, "the slot stayed busy"
         time.sleep(0.1)
-    again = client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    again = api_client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
     assert again.choices[0].text == alone[0]
 
 
 def test_a_request_that_begins_as_one_in_flight_copies_that_part_and_says_what_it_says_alone(
         cluster4: Cluster) -> None:
-    api = client(cluster4)
+    api = api_client(cluster4)
     system = "You are the cluster's helpful assistant, and you answer in one short line. " * 3
     first, second = system + "Who are you?", system + "What is a node?"
     lengths = (400, TOKENS)  # the first runs long enough to be in flight when the second comes
@@ -183,7 +177,7 @@ def test_a_request_that_begins_as_one_in_flight_copies_that_part_and_says_what_i
 def test_a_worker_killed_while_n_choices_stream_from_one_copied_prompt_loses_no_token(
         cluster4: Cluster, alone: list[str]) -> None:
     victim, recoveries = cluster4.worker_pid("n0"), cluster4.status()["recoveries"]
-    stream = client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,
+    stream = api_client(cluster4).completions.create(model="any", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,
                                                  n=4, stream=True)
     pieces: list[list[str]] = [[] for _ in range(4)]
     for chunk in stream:

@@ -8,15 +8,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tempfile
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
-import openai
 import pytest
 
-from tests.harness import Cluster, run_with_fault
+from tests.harness import Cluster, api_client, run_with_fault, running_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -28,16 +25,11 @@ SEEDED = {"temperature": 0.9, "seed": 7}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    demo = Cluster(Path(tempfile.mkdtemp(prefix="gcspec-", dir="/tmp")), nodes=2, api="{port: 0, parallel: 2}")
-    demo.cli("up")
-    yield demo
-    demo.cli("down", check=False)
+    yield from running_cluster("gcspec-", 2, api="{port: 0, parallel: 2}")
 
 
 def complete(cluster: Cluster, extra: dict[str, object] | None = None, **fields: object) -> str:
-    api = openai.OpenAI(base_url=f"http://{cluster.status()['api_endpoint']}/v1", api_key="unused", max_retries=0,
-                        timeout=300)
-    choice = api.completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, extra_body=extra,  # type: ignore[call-overload]
+    choice = api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, extra_body=extra,  # type: ignore[call-overload]
                                     **fields)
     return str(choice.choices[0].text)
 

@@ -74,6 +74,11 @@ class CoordinatorConfig:
     sampling: str = "node"                 # node: where the output layer is (core.engine.chain); coordinator: here
     speculative: str = "ngram"             # ngram: drafts verified in the step (core.engine.speculation); off
 
+    @property
+    def speculates(self) -> bool:
+        """Whether drafted tokens are verified (core.engine.speculation)."""
+        return self.speculative != "off"
+
     def to_json(self) -> str:
         """Serialise for the child's command line."""
         return json.dumps({"model": self.model, "endpoints": list(self.endpoints),
@@ -210,13 +215,13 @@ class Generator:
         """Load the model across the registered RPC devices, with a KV sequence of ``context`` cells per slot."""
         import llama_cpp
 
-        with _sequences(config.parallel, outputs_per_slot(config.speculative != "off")):
+        with _sequences(config.parallel, outputs_per_slot(config.speculates)):
             llm = llama_cpp.Llama(
                 model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
                 n_ctx=config.context * config.parallel, n_threads=config.threads, n_threads_batch=config.threads,
                 flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
         return cls(llm, llama_cpp, load_chat(llm, config), compute, config.context,
-                   on_node=config.sampling == "node", speculative=config.speculative != "off")
+                   on_node=config.sampling == "node", speculative=config.speculates)
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""

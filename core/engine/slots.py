@@ -248,7 +248,7 @@ class Scheduler:
                 planned.append(_Planned(slot, len(entries), "replay"))
                 entries.append(Entry(token, slot.n_past, slot.seq, last))
             elif slot.pending is not None:
-                drafts = self._drafts(slot, min(spare, self.engine.n_batch - len(active)))
+                drafts = self._drafts(slot, spare)  # INVARIANT_ROWS rows always fit in a batch
                 spare -= len(drafts)
                 planned.append(_Planned(slot, len(entries), "decode", 1 + len(drafts), drafts))
                 for offset, token in enumerate((slot.pending, *drafts)):
@@ -268,7 +268,7 @@ class Scheduler:
 
     @staticmethod
     def _drafts(slot: Slot, room: int) -> tuple[int, ...]:
-        """The tokens drafted after ``slot``'s next: as many as its budget and ``room`` in the batch allow."""
+        """The tokens drafted after ``slot``'s next: as many as its budget and the step's ``room`` allow."""
         room = min(slot.budget - slot.generated - 1, room)
         return tuple(slot.draft.propose(room)) if slot.draft is not None and room > 0 else ()
 
