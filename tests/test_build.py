@@ -29,10 +29,10 @@ from core.nodes.build import (
     parse_protocol,
     pinned_version,
     worker_binary,
+    worker_digest,
     worker_source,
 )
 from core.nodes.deploy import LEASE_MARKER, decide_deployment, node_lock
-from core.nodes.patches import patches_digest
 from core.nodes.probe import parse_node
 from core.nodes.remote import LocalRemote
 from core.state import PidRecord
@@ -60,7 +60,7 @@ def test_progress_lines() -> None:
 
 
 def test_key_names_version_flavour_os_arch_backend() -> None:
-    digest = patches_digest()
+    digest = worker_digest()
     # A CUDA build's key ends in its GPU architectures (tests/test_toolkit.py): 90 unless told otherwise.
     assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda-sm90"
     assert build_key("0.3.36", "metal", "Darwin", "arm64") == f"0.3.36-p{digest}-darwin-arm64-metal"
@@ -75,9 +75,9 @@ def test_unknown_backend_is_refused() -> None:
 @pytest.mark.integration
 def test_cached_worker_matches_the_pinned_coordinator() -> None:
     binary = worker_binary("cpu")
-    assert binary.path.is_file() and binary.key.startswith(f"{pinned_version()}-p{patches_digest()}-")
+    assert binary.path.is_file() and binary.key.startswith(f"{pinned_version()}-p{worker_digest()}-")
     assert binary.protocol == Version(7, 0, 0)
-    assert manifest(binary)["patches"] == patches_digest()
+    assert manifest(binary)["patches"] == worker_digest()
     assert worker_binary("cpu") == binary  # second call: from the cache
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from core.errors import DeployError
 from core.nodes import patches
-from core.nodes.build import build_key, pinned_version, project_name, worker_source
-from core.nodes.patches import apply_patches, flavour, patch_files, patches_digest
+from core.nodes.build import WORKER_TREE, build_key, pinned_version, project_name, worker_digest, worker_source
+from core.nodes.patches import apply_patches, changed_paths, flavour, patch_files, patches_digest, patches_within
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "int threshold = 10;\nint other = 1;\nint third = 3;\n"
@@ -63,7 +63,7 @@ def test_the_makefile_computes_the_same_digest() -> None:
 
 
 def test_keys_differ_by_flavour_and_by_the_patches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    digest = patches_digest()
+    digest = worker_digest()
     assert project_name("0.3.36") == f"worker-0.3.36-p{digest}"
     assert project_name("0.3.36", stock=True) == "worker-0.3.36-stock"
     changed = tmp_path / "patches"
@@ -71,8 +71,37 @@ def test_keys_differ_by_flavour_and_by_the_patches(tmp_path: Path, monkeypatch: 
     for patch in patch_files():
         (changed / patch.name).write_bytes(patch.read_bytes() + b"\n")
     monkeypatch.setattr(patches, "PATCHES_DIR", changed)
-    assert flavour() != f"p{digest}" and flavour(stock=True) == "stock"
-    assert build_key("0.3.36", "vulkan", "Linux", "x86_64") == f"0.3.36-{flavour()}-linux-x86_64-vulkan"
+    assert worker_digest() != digest and flavour(stock=True) == "stock"
+    assert build_key("0.3.36", "vulkan", "Linux", "x86_64") == f"0.3.36-p{worker_digest()}-linux-x86_64-vulkan"
+
+
+def test_a_patch_names_the_files_it_changes(tmp_path: Path) -> None:
+    patch = write_patch(tmp_path, "0001-a.patch", "ggml/src/rpc.cpp", SOURCE, SOURCE.replace("10", "1"))
+    assert changed_paths(patch) == ("ggml/src/rpc.cpp",)
+    both = tmp_path / "0002-both.patch"
+    both.write_text("Two files.\n\n--- a/src/llama-context.cpp\n+++ b/src/llama-context.cpp\n@@ -1 +1 @@\n-a\n+b\n"
+                    "--- a/ggml/include/ggml-rpc.h\n+++ /dev/null\n@@ -1 +0,0 @@\n-c\n")
+    assert changed_paths(both) == ("src/llama-context.cpp", "ggml/include/ggml-rpc.h")
+    assert patches_within(WORKER_TREE, [patch, both]) == (patch, both)
+    assert patches_within(("tools/rpc/rpc-server.cpp",), [patch, both]) == ()
+
+
+def test_a_patch_on_llamas_own_sources_keys_the_coordinators_wheel_but_no_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CUDA worker takes half an hour to build: a patch it does not compile must not throw it away.
+    worker_key = build_key("0.3.36", "cuda", "Linux", "x86_64")
+    wheel = patches_digest()
+    changed = tmp_path / "patches"
+    changed.mkdir()
+    for patch in patch_files():
+        (changed / patch.name).write_bytes(patch.read_bytes())
+    (changed / "9999-llama-only.patch").write_text(
+        "Changes llama's own sources only.\n\n--- a/src/llama-graph.cpp\n+++ b/src/llama-graph.cpp\n"
+        "@@ -1 +1 @@\n-a\n+b\n")
+    monkeypatch.setattr(patches, "PATCHES_DIR", changed)
+    assert patches_digest() != wheel
+    assert build_key("0.3.36", "cuda", "Linux", "x86_64") == worker_key
+    assert all(not path.startswith("src/") for patch in patches_within(WORKER_TREE) for path in changed_paths(patch))
 
 
 def test_patches_apply_in_order(tmp_path: Path) -> None:

@@ -19,8 +19,7 @@ import pytest
 
 from core.errors import DeployError
 from core.inventory import Node
-from core.nodes.build import build_key, pinned_version, project_name
-from core.nodes.patches import patches_digest
+from core.nodes.build import build_key, pinned_version, project_name, worker_digest
 from core.nodes.ssh import SshRemote
 from core.state import PidRecord, process_start
 from tests.harness import Cluster, alive, free_port, run_with_fault, small_disk
@@ -133,7 +132,7 @@ def test_remote_build_on_a_node(world: SshWorld, short_root: Path) -> None:
         # Built from the patched source, both keyed by the patches' digest.
         key = build_key(pinned_version(), "cpu")
         assert json.loads((short_root / "node root" / "bin" / key / "manifest.json").read_text())["patches"] == \
-            patches_digest()
+            worker_digest()
         assert (short_root / "node root" / "src" / project_name(pinned_version()) / "CMakeLists.txt").is_file()
         assert cluster.cli("run", PROMPT, "-n", "8").returncode == 0
     finally:

@@ -13,9 +13,8 @@ import pytest
 from core.errors import DeployError
 from core.inventory import Node
 from core.nodes import toolkit
-from core.nodes.build import build_key
+from core.nodes.build import build_key, worker_digest
 from core.nodes.deploy import _build_on_node
-from core.nodes.patches import patches_digest
 from core.nodes.remote import LocalRemote
 from core.nodes.toolkit import (
     ARCHITECTURES_ENV,
@@ -81,7 +80,7 @@ def test_architectures_are_explicit_and_default_to_one() -> None:
 
 
 def test_the_architectures_are_in_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    digest = patches_digest()
+    digest = worker_digest()
     assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda-sm90"
     monkeypatch.setenv(ARCHITECTURES_ENV, "86;89")
     assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda-sm86_89"

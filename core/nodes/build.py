@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from core.errors import DeployError
-from core.nodes.patches import STOCK, apply_patches, flavour, patches_digest
+from core.nodes.patches import STOCK, apply_patches, flavour, patches_digest, patches_within
 from core.nodes.target import Target, cross_compiler, cross_flags, native, toolchain_file
 from core.nodes.toolkit import backend_cmake_args, key_suffix
 from core.version import Version
@@ -98,13 +98,23 @@ def build_key(version: str, backend: str, system: str | None = None, machine: st
     build's ends in the -march it was built with (``…-linux-aarch64-cpu-armv8.2-a+dotprod+fp16``)."""
     system = (system or platform.system()).lower()
     machine = (machine or platform.machine()).lower()
-    return f"{version}-{flavour(stock=stock)}-{system}-{machine}-{backend}{key_suffix(backend)}" + (
+    return f"{version}-{flavour(stock=stock, tree=WORKER_TREE)}-{system}-{machine}-{backend}{key_suffix(backend)}" + (
         f"-{cpu_arch}" if cpu_arch else "")
 
 
 def project_name(version: str, *, stock: bool = False) -> str:
     """The worker project's name, for its folder and archive: ``worker-0.3.36-p<digest>`` or ``…-stock``."""
-    return f"worker-{version}-{flavour(stock=stock)}"
+    return f"worker-{version}-{flavour(stock=stock, tree=WORKER_TREE)}"
+
+
+def worker_patches() -> tuple[Path, ...]:
+    """The patches that change the worker's files (ggml, rpc-server); the others are the coordinator's alone."""
+    return patches_within(WORKER_TREE)
+
+
+def worker_digest() -> str:
+    """The digest of the worker's patches: what its cache keys and manifests name."""
+    return patches_digest(worker_patches())
 
 
 def parse_protocol(header_text: str) -> Version:
@@ -201,7 +211,7 @@ def worker_source(version: str, progress: Progress, *, stock: bool = False) -> P
                     # to the files the worker has: what a patch changes elsewhere (llama's own sources) only the
                     # coordinator's wheel builds.
                     progress("patching llama.cpp", None)
-                    apply_patches(scratch, version,
+                    apply_patches(scratch, version, worker_patches(),
                                   include=[path + "*" if path.endswith("/") else path for path in WORKER_TREE])
                 (scratch / "CMakeLists.txt").write_text(WORKER_CMAKE)
                 scratch.replace(project)
@@ -274,7 +284,7 @@ def worker_binary(backend: str = "cpu", progress: Progress | None = None, *, sto
             toolkit_args, toolkit_facts = backend_cmake_args(backend, cache_dir(), report)
             manifest = json.dumps({
                 "key": key, "version": version, "backend": backend, "built_at": time.time(),
-                "patches": STOCK if stock else patches_digest(),
+                "patches": STOCK if stock else worker_digest(),
                 "protocol": {"major": protocol.major, "minor": protocol.minor, "patch": protocol.patch},
                 "target": (target or native()).key_part(), "cpu_arch": target.cpu_arch if target else "native",
                 **toolkit_facts,

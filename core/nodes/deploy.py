@@ -28,8 +28,8 @@ from core.nodes.build import (
     pinned_version,
     worker_archive,
     worker_binary,
+    worker_digest,
 )
-from core.nodes.patches import patches_digest
 from core.nodes.probe import NodeFacts, install_hint, node_backend
 from core.nodes.shell import PIDS, Remote, free_bytes, shell_command
 from core.nodes.target import Target, cross_compiler, cross_target, native
@@ -162,7 +162,7 @@ async def deploy_worker(remote: Remote, node: Node, facts: NodeFacts, root: str,
             await _build_on_node(remote, node, root, key=plan.key, backend=plan.backend, progress=progress)
             how = "built"
         manifest = json.dumps({"key": plan.key, "version": pinned_version(), "backend": plan.backend, "how": how,
-                               "patches": patches_digest(),
+                               "patches": worker_digest(),
                                "cpu_arch": plan.target.cpu_arch if plan.target else "native"})
         installed = await remote.run(
             f"cd {shell_command([root + '/bin'])} && printf '%s' {shell_command([manifest])} > "

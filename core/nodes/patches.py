@@ -3,13 +3,16 @@
 Unified diffs relative to the llama.cpp root (``a/ggml/...``, applied with -p1), in name order, with zero fuzz
 (git apply never uses any). Their digest is part of every cache key, so a changed patch never reuses a build
 made without it; the Makefile computes the same digest for the coordinator's wheel
-(``cat $(sort $(wildcard patches/*.patch)) | sha256sum | cut -c1-12``).
+(``cat $(sort $(wildcard patches/*.patch)) | sha256sum | cut -c1-12``). A build of part of llama.cpp (the
+worker: ggml and rpc-server) is keyed by the digest of the patches that change its files alone, so a patch on
+llama's own sources rebuilds the coordinator's wheel but none of the workers (a CUDA worker takes half an hour).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -32,6 +35,24 @@ def patch_files(folder: Path | None = None) -> tuple[Path, ...]:
     return tuple(sorted(folder.glob("*.patch"), key=lambda path: path.name))
 
 
+def changed_paths(patch: Path) -> tuple[str, ...]:
+    """The llama.cpp paths a patch changes, from its ``+++ b/PATH`` headers (``--- a/PATH`` for a deletion)."""
+    paths: list[str] = []
+    for line in patch.read_text(errors="replace").splitlines():
+        match = re.match(r"(?:\+\+\+ b|--- a)/(\S+)", line)
+        if match and match.group(1) not in paths:
+            paths.append(match.group(1))
+    return tuple(paths)
+
+
+def patches_within(tree: Sequence[str], patches: Sequence[Path] | None = None) -> tuple[Path, ...]:
+    """The patches (default: the repository's) that change a file of ``tree``: folders end in ``/``."""
+    def inside(path: str) -> bool:
+        return any(path.startswith(part) if part.endswith("/") else path == part for part in tree)
+    return tuple(patch for patch in (patch_files() if patches is None else patches)
+                 if any(inside(path) for path in changed_paths(patch)))
+
+
 def patches_digest(patches: Sequence[Path] | None = None) -> str:
     """The first 12 hex digits of the sha256 of the patch files' bytes, concatenated in order."""
     digest = hashlib.sha256()
@@ -40,9 +61,14 @@ def patches_digest(patches: Sequence[Path] | None = None) -> str:
     return digest.hexdigest()[:DIGEST_CHARS]
 
 
-def flavour(*, stock: bool = False) -> str:
-    """What a build's source is, for its cache keys: ``p<digest>`` (patched) or ``stock`` (llama.cpp as shipped)."""
-    return STOCK if stock else f"p{patches_digest()}"
+def flavour(*, stock: bool = False, tree: Sequence[str] | None = None) -> str:
+    """What a build's source is, for its cache keys: ``p<digest>`` (patched) or ``stock`` (llama.cpp as shipped).
+
+    ``tree``: the paths a partial build holds (folders end in ``/``); only the patches that change them count.
+    """
+    if stock:
+        return STOCK
+    return f"p{patches_digest(None if tree is None else patches_within(tree))}"
 
 
 def apply_patches(tree: Path, version: str, patches: Sequence[Path] | None = None,
