@@ -39,10 +39,11 @@ class DelayProxy:
         self._loop.run_until_complete(asyncio.start_server(self._serve, self.host, self.port))
         self._started.set()
         self._loop.run_forever()
-        pending = asyncio.all_tasks(self._loop)  # open connections: end them quietly
-        for task in pending:
-            task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        # Open connections: end them quietly; ending one may leave a task of its own (a pipe's sender) to end.
+        while pending := asyncio.all_tasks(self._loop):
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
@@ -73,10 +74,13 @@ class DelayProxy:
                 await writer.drain()
 
         sender = asyncio.ensure_future(deliver())
-        while data := await reader.read(1 << 20):
-            queue.put_nowait((time.monotonic() + self.delay, data))
-        queue.put_nowait((time.monotonic(), b""))
-        await sender
+        try:
+            while data := await reader.read(1 << 20):
+                queue.put_nowait((time.monotonic() + self.delay, data))
+            queue.put_nowait((time.monotonic(), b""))
+            await sender
+        finally:
+            sender.cancel()  # the connection ended early (reset, or the proxy closing): nothing left to deliver
 
 
 def main(argv: list[str]) -> int:
