@@ -25,11 +25,11 @@ dropped for every sequence in it and the same batch is decoded again.
 A slot with a sampler for the node (core.engine.chain) has it set on its sequence while it holds the slot: its
 tokens are sampled where the output layer is, and only they cross the network; the others choose from the logits.
 
-A generating slot with a draft (core.engine.speculation) sends tokens drafted after its next one in the same
-step, each with an output. Its outputs are then sampled in order, each as if it were the only one, for as long as
-the token chosen is the draft's next: those drafts are kept with the token chosen after them, the rest and their
-KV cells dropped. Each output samples exactly what one token per step would have (the same logits; a seeded draw
-is taken per token kept), so the text is the same, with fewer steps.
+A generating slot with a draft (core.engine.speculation, core.engine.draft_model) sends tokens drafted after its
+next one in the same step, each with an output. Its outputs are then sampled in order, each as if it were the only
+one, for as long as the token chosen is the draft's next: those drafts are kept with the token chosen after them,
+the rest and their KV cells dropped. Each output samples exactly what one token per step would have (the same
+logits; a seeded draw is taken per token kept), so the text is the same, with fewer steps.
 """
 
 from __future__ import annotations
@@ -416,6 +416,8 @@ class Scheduler:
     def _release(self, slot: Slot) -> None:
         if slot.node is not None:
             self.engine.detach(slot.seq)
+        if slot.draft is not None:
+            slot.draft.release()
         self.engine.forget(slot.seq, 0)
         self.slots[slot.seq] = None
         self._closed(slot.rid)
