@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharding import start_worker, stop_workers
 
 from core.engine.coordinator import CoordinatorConfig
-from core.engine.draft_model import P_MIN
+from core.inventory_fields import DRAFT_P_MIN
 from tests.delay import DelayProxy
 from tests.harness import free_port
 from tests.realmodel import real_model
@@ -60,7 +60,7 @@ def run_arm(model: Path, endpoints: list[str], arm: str, tokens: int, parallel: 
     """Load the coordinator for ``arm`` (off, ngram, or draft: ``draft``'s model, threads and p_min) and run each
     request (``parallel`` copies at once): per request, decode tok/s (all copies together), the first copy's text,
     the drafted and kept tokens, and the seconds spent drafting."""
-    path, threads, p_min = draft if arm == "draft" and draft else (None, 1, P_MIN)
+    path, threads, p_min = draft if arm == "draft" and draft else (None, 1, DRAFT_P_MIN)
     config = CoordinatorConfig(model=str(model), endpoints=tuple(endpoints), tensor_split=(0.5, 0.5), context=1024,
                                parallel=parallel, chat_format="gemma", sampling=sampling,
                                speculative="draft_model" if path else arm, draft_model=path, draft_threads=threads,
@@ -116,7 +116,7 @@ def main() -> int:
     parser.add_argument("--draft-model", help="a GGUF with the real model's vocabulary (real: the real model itself) "
                                               "for a third arm, `speculative: {draft_model: PATH}`")
     parser.add_argument("--draft-threads", type=int, default=1, help="the draft model's CPU threads")
-    parser.add_argument("--draft-p-min", type=float, default=P_MIN, help="the draft model's p_min")
+    parser.add_argument("--draft-p-min", type=float, default=DRAFT_P_MIN, help="the draft model's p_min")
     args = parser.parse_args()
     model = real_model()
     draft = None

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from core.api_key import API_KEY_ENV, environment_key, read_api_key
 from core.errors import InventoryError
 from core.inventory_errors import SHORT, Locator, unconstructible, validate
-from core.inventory_fields import Environment, Host, Name, PathText, Port, Size, Slots, User
+from core.inventory_fields import DRAFT_P_MIN, Environment, Host, Name, PathText, Port, Size, Slots, User
 
 INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
@@ -129,7 +129,7 @@ class DraftModelSpec(_Frozen):
     # The draft model's CPU threads: it decodes between the cluster's steps, while this machine waits for nothing.
     threads: Annotated[int, Field(ge=1, le=1024, strict=True)] = 1
     # llama-server's --draft-p-min: a draft ends at a token the draft model gives less than this probability.
-    p_min: Annotated[float, Field(ge=0, le=1)] = 0.75
+    p_min: Annotated[float, Field(ge=0, le=1)] = DRAFT_P_MIN
 
 
 class Metrics(_Frozen):
@@ -180,8 +180,7 @@ class Inventory(_Frozen):
     @field_validator("speculative", mode="before")
     @classmethod
     def _yaml_switch(cls, value: object) -> object:
-        """YAML 1.1 reads a bare ``off`` (``no``, ``false``) as false and ``on`` as true: they mean off and ngram.
-        Anything but a mapping or one of those words is refused with the three forms it may take."""
+        """YAML 1.1 reads a bare ``off`` (``no``, ``false``) as false and ``on`` as true: they mean off and ngram."""
         value = {False: "off", True: "ngram"}.get(value, value) if isinstance(value, bool) else value
         if not isinstance(value, dict) and value not in ("ngram", "off"):
             raise ValueError(f"got {SHORT.repr(value)}; expected ngram, off or {{draft_model: PATH}}")
@@ -191,11 +190,6 @@ class Inventory(_Frozen):
     def speculates(self) -> bool:
         """Whether the coordinator verifies drafted tokens."""
         return self.speculative != "off"
-
-    @property
-    def speculative_mode(self) -> str:
-        """ngram, off, or draft_model (``speculative: {draft_model: …}``)."""
-        return self.speculative if isinstance(self.speculative, str) else "draft_model"
 
     @property
     def draft(self) -> DraftModelSpec | None:

@@ -183,7 +183,7 @@ INVENTORY = "cluster: lab\nspeculative: {}\nnodes:\n  - name: a\n    kind: local
 def test_the_inventory_takes_a_draft_model_resolved_against_its_folder(tmp_path: Path) -> None:
     inventory = parse_inventory(INVENTORY.format("{draft_model: small.gguf, threads: 2, p_min: 0.5}"),
                                 str(tmp_path / "inv.yaml"))
-    assert inventory.speculates and inventory.speculative_mode == "draft_model"
+    assert inventory.speculates
     assert inventory.draft_model_path == tmp_path / "small.gguf"
     assert inventory.draft is not None and (inventory.draft.threads, inventory.draft.p_min) == (2, 0.5)
     assert parse_inventory(INVENTORY.format("ngram"), "inv.yaml").draft_model_path is None

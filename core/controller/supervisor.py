@@ -19,7 +19,6 @@ from core.controller.placement import Placement
 from core.controller.watchdog import Watchdog
 from core.engine import child
 from core.engine.coordinator import CoordinatorConfig
-from core.engine.draft_model import P_MIN
 from core.engine.protocol import (
     Answer,
     ComputeFailed,
@@ -33,6 +32,7 @@ from core.engine.protocol import (
 )
 from core.errors import ClusterError, PlanError, WorkerError
 from core.inventory import Inventory
+from core.inventory_fields import DRAFT_P_MIN
 from core.model import ModelFacts
 from core.nodes import worker
 from core.state import StateDir
@@ -227,10 +227,10 @@ class CoordinatorSupervisor:
                                    chat_format=self.inventory.chat_format,
                                    chat_template_file=str(template_file) if template_file else None,
                                    parallel=plan.slots, sampling=self.inventory.sampling,
-                                   speculative=self.inventory.speculative_mode,
+                                   speculative="draft_model" if draft else str(self.inventory.speculative),
                                    draft_model=str(self.inventory.draft_model_path) if draft else None,
                                    draft_threads=draft.threads if draft else 1,
-                                   draft_p_min=draft.p_min if draft else P_MIN)
+                                   draft_p_min=draft.p_min if draft else DRAFT_P_MIN)
         self.log.record("plan", self.placement.describe())
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:

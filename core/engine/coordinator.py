@@ -31,7 +31,7 @@ from typing import IO, Any
 import numpy as np
 
 from core.engine.chain import NodeSampler, coordinator_reason
-from core.engine.draft_model import P_MIN, DraftModel
+from core.engine.draft_model import DraftModel
 from core.engine.llama_context import LlamaEngine
 from core.engine.protocol import (
     EXIT_COMPUTE_FAILED,
@@ -52,6 +52,7 @@ from core.engine.sampling import GrammarError, logprobs, sampler_for
 from core.engine.slots import Choose, PersistentComputeFailure, RequestIds, Scheduler, Slot
 from core.engine.speculation import NgramDraft
 from core.engine.step import Draft
+from core.inventory_fields import DRAFT_P_MIN
 from core.model import DRAFT_MAX, outputs_per_slot
 
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
@@ -78,7 +79,7 @@ class CoordinatorConfig:
     #                                        draft_model: drafts from ``draft_model`` (core.engine.draft_model)
     draft_model: str | None = None         # a GGUF with the model's vocabulary, run here on the CPU
     draft_threads: int = 1                 # the draft model's CPU threads
-    draft_p_min: float = P_MIN             # a draft ends at a token the draft model gives less than this probability
+    draft_p_min: float = DRAFT_P_MIN       # a draft ends at a token the draft model gives less than this probability
 
     @property
     def speculates(self) -> bool:
@@ -105,7 +106,7 @@ class CoordinatorConfig:
                    chat_template_file=data.get("chat_template_file"), parallel=int(data.get("parallel", 1)),
                    sampling=data.get("sampling", "node"), speculative=data.get("speculative", "ngram"),
                    draft_model=data.get("draft_model"), draft_threads=int(data.get("draft_threads", 1)),
-                   draft_p_min=float(data.get("draft_p_min", P_MIN)))
+                   draft_p_min=float(data.get("draft_p_min", DRAFT_P_MIN)))
 
 
 NO_CHAT_TEMPLATE = ("the model has no chat template (no tokenizer.chat_template in its GGUF, and no chat_template in "

@@ -3,8 +3,8 @@
 A draft model with the target's vocabulary runs in the coordinator's process on this machine's CPU (llama.cpp,
 no RPC device), one KV sequence per slot. Before the slot's step it proposes greedily: it catches its cells up
 with the tokens the slot kept since its last draft, then decodes its own choices one at a time, stopping at the
-room it is given, at an end-of-text token, or where it is unsure (its top token below ``P_MIN``, llama-server's
-default: a guess that unlikely costs the cluster a row and the head a decode for nothing). Verification is the
+room it is given, at an end-of-text token, or where it is unsure (its top token below ``p_min``, llama-server's
+``--draft-p-min``). Verification is the
 step's (core.engine.slots), as for n-gram drafts, so the text is the target's whatever the draft model says.
 
 Its decodes run on the head between cluster steps, while no step is in flight: each drafted token costs one
@@ -20,10 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from core.engine.step import Entry
+from core.inventory_fields import DRAFT_P_MIN
 from core.model import BATCH, DRAFT_MAX
-
-# llama-server's --draft-p-min: a drafted token whose probability under the draft model is below this ends the draft.
-P_MIN = 0.75
 
 
 class DraftContext(Protocol):
@@ -111,7 +109,7 @@ class LocalContext:
 class DraftModel:
     """The draft model shared by the slots: its context, which of its sequences are free, and its cost so far."""
 
-    def __init__(self, context: DraftContext, parallel: int, p_min: float = P_MIN) -> None:
+    def __init__(self, context: DraftContext, parallel: int, p_min: float = DRAFT_P_MIN) -> None:
         """``context``: the loaded draft model with ``parallel`` sequences; ``p_min``: the least probability a
         drafted token needs under the draft model."""
         self.context = context
@@ -121,7 +119,7 @@ class DraftModel:
         self.seconds = 0.0    # spent in them, on the head, between cluster steps
 
     @classmethod
-    def load(cls, path: str, context: int, parallel: int, threads: int, p_min: float = P_MIN) -> DraftModel:
+    def load(cls, path: str, context: int, parallel: int, threads: int, p_min: float = DRAFT_P_MIN) -> DraftModel:
         """Load the GGUF at ``path`` on this machine's CPU; ValueError when llama.cpp cannot."""
         return cls(LocalContext(path, context, parallel, threads), parallel, p_min)
 
@@ -221,7 +219,7 @@ class DraftSequence:
         return draft
 
     def judged(self, drafted: int, accepted: int) -> None:
-        """Nothing to adjust: the draft's length follows the draft model's confidence (``P_MIN``), and the kept
+        """Nothing to adjust: the draft's length follows the draft model's confidence (``p_min``), and the kept
         tokens' cells are found as the tokens are added."""
 
     def release(self) -> None:
