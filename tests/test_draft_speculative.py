@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 PROMPT = "the river and the stone in the north"
 TOKENS = 40
 OFF = {"speculative.n_max": 0}
-SEEDED = {"temperature": 0.9, "seed": 7}
+SEEDED = {"temperature": 0.9, "seed": 7}  # sampled on the node; with logprobs, here (the coordinator)
 
 
 def drafting_with(path: Path) -> list[str]:
@@ -63,9 +63,9 @@ def counts(cluster: Cluster) -> tuple[int, int]:
     return status["tokens_drafted"], status["tokens_accepted"]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED, {"temperature": 0, "logprobs": 2},
-                                      {"temperature": 0, "stop": ["stone"]}],
-                         ids=["greedy", "seeded", "logprobs", "stop"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED, {**SEEDED, "logprobs": 1},
+                                      {"temperature": 0, "logprobs": 2}, {"temperature": 0, "stop": ["stone"]}],
+                         ids=["greedy", "seeded", "seeded-here", "logprobs", "stop"])
 def test_the_model_as_its_own_draft_model_gives_the_text_of_one_token_per_step(itself: Cluster,
                                                                                sampling: dict) -> None:
     drafted, accepted = counts(itself)
