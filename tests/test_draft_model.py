@@ -153,6 +153,13 @@ def write_vocabulary(path: Path, tokens: list[str]) -> Path:
     return path
 
 
+def cut_short(model: Path, path: Path) -> Path:
+    """``model``'s first half: a download that stopped."""
+    data = model.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return path
+
+
 def test_a_draft_model_that_cannot_draft_for_the_model_is_one_located_line_with_a_fix(tmp_path: Path) -> None:
     import gguf
 
@@ -168,6 +175,9 @@ def test_a_draft_model_that_cannot_draft_for_the_model_is_one_located_line_with_
         f"vocabulary of {len(words) - 1} tokens, the model model.gguf {len(words)}",
         write_vocabulary(tmp_path / "other.gguf", renamed): "inv.yaml: speculative.draft_model: other.gguf and the "
         f"model model.gguf have different vocabularies (token 300 is '▁elsewhere' in one, {words[300]!r} in the other)",
+        write_vocabulary(tmp_path / "vocab.gguf", words): "inv.yaml: speculative.draft_model: vocab.gguf holds no "
+        "model, only metadata (no layers)",
+        cut_short(model, tmp_path / "cut.gguf"): "inv.yaml: speculative.draft_model: cut.gguf is cut short: ",
     }
     for draft, message in cases.items():
         with pytest.raises(InventoryError) as caught:
