@@ -12,6 +12,7 @@ import pytest
 
 from core.engine.draft_model import DraftModel, DraftSequence
 from core.engine.slots import Slot
+from core.engine.step import Entry
 from core.errors import InventoryError
 from core.inventory import parse_inventory
 from core.model import DRAFT_MAX, check_draft_model, write_demo_model
@@ -125,6 +126,21 @@ def test_a_resumed_request_drafts_from_its_prompt_and_replayed_tokens() -> None:
     assert done(resumed, 1).accepted > 0
     # Caught up at its first draft: the prompt, the replay, and the first token chosen after it.
     assert [entry.token for entry in drafts.batches[0]] == [1, 2, 3, *first[:13]]
+
+
+def test_a_draft_model_that_fails_to_decode_stops_drafting_and_the_text_goes_on() -> None:
+    class Failing(Confident):
+        def decode(self, entries: list[Entry]) -> int:
+            if len(self.batches) == 3:  # its KV cache full, say: the slot's third draft-model decode
+                self.batches.append(list(entries))
+                return 1
+            return super().decode(entries)
+
+    drafts = Failing(counting)
+    events = generate(ScriptEngine(counting), with_model(1, [1, 2, 3], 30, DraftModel(drafts, 1)))
+    assert tokens(events, 1) == plain(counting, [1, 2, 3], 30)
+    assert 0 < done(events, 1).drafted < 10 and len(drafts.batches) == 4
+    assert drafts.cells[0] == []  # its cells dropped with it
 
 
 def test_a_request_with_no_drafts_asked_gets_none() -> None:

@@ -14,6 +14,7 @@ decode of the draft model, paid in every step of the slot (``DraftModel.seconds`
 from __future__ import annotations
 
 import ctypes
+import sys
 import time
 from typing import Any, Protocol
 
@@ -184,14 +185,25 @@ class DraftSequence:
         self.tokens.append(token)
 
     def propose(self, room: int) -> list[int]:
-        """At most ``room`` tokens the draft model chooses after the sequence (fewer where it is unsure)."""
+        """At most ``room`` tokens the draft model chooses after the sequence (fewer where it is unsure).
+
+        A draft model that fails to decode costs the request its drafts, never its text: it drafts no more.
+        """
         room = min(room, self.limit)
         if room <= 0:
             return []
-        model = self.model
         if self._seq is None:
-            self._seq = model.claim()
-        seq = self._seq
+            self._seq = self.model.claim()
+        try:
+            return self._draft(self._seq, room)
+        except RuntimeError as exc:
+            print(f"draft model: {exc}; this request drafts no more", file=sys.stderr, flush=True)
+            self.model.context.forget(self._seq, 0)
+            self._cells, self._valid, self.limit = [], 0, 0
+            return []
+
+    def _draft(self, seq: int, room: int) -> list[int]:
+        model = self.model
         # At least the last token is decoded again: its logits give the first draft.
         start = min(self._valid, len(self.tokens) - 1)
         model.context.forget(seq, start)
