@@ -20,7 +20,7 @@ from typing import Any
 from core.endpoints.control import ask, exchange
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError
 from core.inventory import Inventory, Node
-from core.model import demo_model, read_model
+from core.model import check_draft_model, demo_model, read_model
 from core.nodes import worker
 from core.nodes.build import TARGET, Progress, cache_dir, worker_binary
 from core.nodes.deploy import Deployment, decide_deployment, deployable, node_root
@@ -104,6 +104,8 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
         raise InventoryError(f"{inventory.source}: model: no such file {model}",
                              "fix: point 'model' at a GGUF file on this machine")
     read_model(model)
+    if (draft := inventory.draft_model_path) is not None:
+        check_draft_model(draft, model, inventory.source)
     binary = await asyncio.to_thread(worker_binary, "cpu", on_build)
     inventory_text = json.dumps(inventory.model_dump(mode="json", exclude={"source"}), sort_keys=True)
     launch = Launch(binary=str(binary.path), protocol=binary.protocol, model=str(model.resolve()))

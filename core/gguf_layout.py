@@ -112,6 +112,30 @@ def read_layout(path: Path) -> GgufLayout:
         raise InventoryError(f"model: {path} is not a readable GGUF file: {exc}") from None
 
 
+def entry_bytes(layout: GgufLayout, key: str) -> bytes | None:
+    """The bytes of metadata entry ``key`` as the file holds them (its key, type and value), or None without it:
+    two files' entries are equal when these are, without decoding a 262k-string vocabulary."""
+    entry = layout.entries.get(key)
+    if entry is None:
+        return None
+    with layout.path.open("rb") as handle:
+        handle.seek(entry.start)
+        return handle.read(entry.end - entry.start)
+
+
+def string_items(layout: GgufLayout, key: str) -> list[str]:
+    """The items of the string-array entry ``key`` (a vocabulary's tokens)."""
+    entry = layout.entries[key]
+    with layout.path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        cursor = _Cursor(data, layout.path)
+        cursor.at = entry.start
+        cursor.string()
+        kind, item_kind, count = cursor.take("IIQ")
+        if kind != _ARRAY or item_kind != _STRING:
+            raise InventoryError(f"model: {layout.path}: {key} is not an array of strings")
+        return [cursor.string() for _ in range(count)]
+
+
 def _parse(data: mmap.mmap, path: Path) -> GgufLayout:
     if data[:4] != MAGIC:
         raise InventoryError(f"model: {path} is not a readable GGUF file: it does not start with 'GGUF'")

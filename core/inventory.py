@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from core.api_key import API_KEY_ENV, environment_key, read_api_key
 from core.errors import InventoryError
 from core.inventory_errors import SHORT, Locator, unconstructible, validate
-from core.inventory_fields import Environment, Host, Name, PathText, Port, Size, Slots, User
+from core.inventory_fields import DRAFT_P_MIN, Environment, Host, Name, PathText, Port, Size, Slots, User
 
 INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
@@ -121,6 +121,17 @@ class Api(_Frozen):
     parallel: Slots = "auto"
 
 
+class DraftModelSpec(_Frozen):
+    """``speculative: {draft_model: PATH}``: drafts from a small model with the model's vocabulary, run on this
+    machine's CPU in the coordinator (core.engine.draft_model)."""
+
+    draft_model: PathText
+    # The draft model's CPU threads: it decodes between the cluster's steps, while this machine waits for nothing.
+    threads: Annotated[int, Field(ge=1, le=1024, strict=True)] = 1
+    # llama-server's --draft-p-min: a draft ends at a token the draft model gives less than this probability.
+    p_min: Annotated[float, Field(ge=0, le=1)] = DRAFT_P_MIN
+
+
 class Metrics(_Frozen):
     """The controller's Prometheus endpoint (GET /metrics)."""
 
@@ -150,8 +161,8 @@ class Inventory(_Frozen):
     sampling: Literal["node", "coordinator"] = "node"
     # Speculative decoding: ngram: each slot drafts from its own tokens (core.engine.speculation) and one step
     # verifies them, so text that repeats what came before costs one network wait per several tokens; off: one
-    # token per step.
-    speculative: Literal["ngram", "off"] = "ngram"
+    # token per step; {draft_model: PATH}: a small model with the same vocabulary drafts, on this machine.
+    speculative: Literal["ngram", "off"] | DraftModelSpec = "ngram"
     api: Api = Field(default_factory=Api)
     metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
@@ -170,12 +181,25 @@ class Inventory(_Frozen):
     @classmethod
     def _yaml_switch(cls, value: object) -> object:
         """YAML 1.1 reads a bare ``off`` (``no``, ``false``) as false and ``on`` as true: they mean off and ngram."""
-        return {False: "off", True: "ngram"}.get(value, value) if isinstance(value, bool) else value
+        value = {False: "off", True: "ngram"}.get(value, value) if isinstance(value, bool) else value
+        if not isinstance(value, dict) and value not in ("ngram", "off"):
+            raise ValueError(f"got {SHORT.repr(value)}; expected ngram, off or {{draft_model: PATH}}")
+        return value
 
     @property
     def speculates(self) -> bool:
         """Whether the coordinator verifies drafted tokens."""
         return self.speculative != "off"
+
+    @property
+    def draft(self) -> DraftModelSpec | None:
+        """``speculative: {draft_model: …}``, if that is what it says."""
+        return self.speculative if isinstance(self.speculative, DraftModelSpec) else None
+
+    @property
+    def draft_model_path(self) -> Path | None:
+        """The draft model's file (resolved like every path), if ``speculative`` names one."""
+        return self.resolve(self.draft.draft_model) if self.draft is not None else None
 
     @property
     def model_path(self) -> Path | None:

@@ -7,11 +7,12 @@ import difflib
 import math
 import re
 import reprlib
+import typing
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from core.errors import InventoryError
 
@@ -45,7 +46,7 @@ def explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None
     got = SHORT.repr(error.get("input"))
     if kind == "extra_forbidden":
         key = str(error["loc"][-1])
-        fields = list(getattr(model, "model_fields", {}))
+        fields = list(getattr(_model_at(model, error["loc"][:-1]), "model_fields", {}))
         close = difflib.get_close_matches(key, fields, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
         return f"unknown key {SHORT.repr(key)}", f"fix: {hint}"
@@ -67,6 +68,27 @@ def explain(error: Mapping[str, Any], model: type[Any]) -> tuple[str, str | None
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, "), None
     return f"{error['msg']} (got {got})", None
+
+
+def _model_at(model: type[Any], loc: tuple[str | int, ...]) -> type[Any]:
+    """The schema a mapping at ``loc`` is validated against (a nested model's own keys for its unknown key)."""
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            continue  # a union's tag or a list index: the same model
+        nested = [member for member in _members(field.annotation) if isinstance(member, type)
+                  and issubclass(member, BaseModel)]
+        if nested:
+            model = nested[0]
+    return model
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types an annotation admits (a union's members, an Annotated's type), flattened."""
+    arguments = typing.get_args(annotation)
+    if not arguments:
+        return [annotation]
+    return [member for argument in arguments for member in _members(argument)]
 
 
 def shown_key(key: object) -> str:
@@ -120,7 +142,8 @@ def validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate: 
         return model.model_validate(data)
     except ValidationError as exc:
         # A misspelt key also shows up as the real key missing; the misspelling is the useful report.
-        errors = sorted(exc.errors(), key=lambda item: item["type"] != "extra_forbidden")
+        # And of a union's members, the one for the kind of value written (a mapping, a word) says what is wrong.
+        errors = sorted(exc.errors(), key=lambda item: (item["type"] != "extra_forbidden", _other_kind(item)))
         error = errors[0]
         loc = where + tuple(part for part in error["loc"] if part not in _UNION_TAGS)
         message, fix = explain(error, model)
@@ -128,9 +151,18 @@ def validate(model: type[Any], data: Any, where: tuple[str | int, ...], locate: 
         raise InventoryError(locate.at(loc, message, label), fix) from None
 
 
+def _other_kind(error: Mapping[str, Any]) -> bool:
+    """Whether ``error`` is a union member's for another kind of value than the one written: a word where a
+    mapping was written, or a mapping where a word was."""
+    written = error.get("input")
+    if isinstance(written, dict):
+        return error["type"] in ("literal_error", "string_type")
+    return error["type"] in ("dict_type", "model_type", "model_attributes_type")
+
+
 # pydantic names union members in error locations; they mean nothing to a user.
 _UNION_TAGS = frozenset({"literal['auto','remote','push']", "BuildPath", "int", "str", "constrained-int",
-                         "function-after[_host_for_kind(), Node]"})
+                         "function-after[_host_for_kind(), Node]", "literal['ngram','off']", "DraftModelSpec"})
 
 
 def unconstructible(text: str, source: str) -> str:

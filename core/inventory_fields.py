@@ -21,6 +21,9 @@ _SIZE_UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 
+# `speculative: {draft_model: …}`'s default p_min, llama-server's --draft-p-min: a draft model's draft ends at a token
+# it gives less than this probability (a guess that unlikely costs the cluster a row and the head a decode).
+DRAFT_P_MIN = 0.75
 
 # Larger is a typo, not a machine's memory; the bound also keeps every size exact and far from overflow.
 MAX_SIZE = 1 << 60

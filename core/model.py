@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import InventoryError
-from core.gguf_layout import read_layout
+from core.gguf_layout import GgufLayout, entry_bytes, read_layout, string_items
 
 DEMO_MODEL_NAME = "ggml-cluster-demo-v3.gguf"  # v3: a chat template
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -153,6 +153,55 @@ def read_model(path: Path, *, speculative: bool = False) -> ModelFacts:
         sliding_window=number(f"{arch}.attention.sliding_window", 0),
         kv_layer_token_bytes=tuple(per_token) if len(set(per_token)) > 1 else (),
     )
+
+
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+def check_draft_model(draft: Path, model: Path, source: str) -> None:
+    """InventoryError (one line, naming the inventory ``source`` and its field) unless ``draft`` is a whole GGUF
+    model with ``model``'s vocabulary: the same tokens at the same ids, which drafts verified by ``model`` need."""
+    field = f"{source}: speculative.draft_model"
+    if not draft.is_file():
+        raise InventoryError(f"{field}: no such file {draft}", "fix: point it at a GGUF file on this machine")
+    try:
+        drafting = read_layout(draft)
+    except InventoryError as exc:
+        raise InventoryError(f"{field}: {exc.message.removeprefix('model: ')}",
+                             "fix: point it at a GGUF file (llama.cpp's model format)") from None
+    target = read_layout(model)
+    tokens = entry_bytes(drafting, TOKENS_KEY)
+    if tokens is None or tokens != entry_bytes(target, TOKENS_KEY):  # equal bytes: equal vocabularies, at once
+        _compare_vocabularies(drafting, target, field)
+    arch = str(drafting.get("general.architecture", ""))
+    if not drafting.tensors or int(str(drafting.get(f"{arch}.block_count", 0))) <= 0:
+        raise InventoryError(f"{field}: {draft.name} holds no model, only metadata (no layers)",
+                             "fix: point it at a model's GGUF file")
+    end = drafting.data_start + max(tensor.offset + tensor.n_bytes for tensor in drafting.tensors)
+    size = draft.stat().st_size
+    if size < end:
+        raise InventoryError(f"{field}: {draft.name} is cut short: {size} of its {end} bytes",
+                             "fix: download or copy it again")
+
+
+def _compare_vocabularies(drafting: GgufLayout, target: GgufLayout, field: str) -> None:
+    """InventoryError unless the two files hold the same tokens (written differently)."""
+    draft, model = drafting.path, target.path
+    same_family = ("fix: point speculative.draft_model at a smaller model of the same family (the same tokenizer), "
+                   "or set speculative: ngram")
+    theirs, ours = drafting.get(TOKENS_KEY), target.get(TOKENS_KEY)
+    if not isinstance(theirs, int):
+        raise InventoryError(f"{field}: {draft} has no vocabulary ({TOKENS_KEY})", same_family)
+    if not isinstance(ours, int):
+        raise InventoryError(f"{field}: the model {model} has no vocabulary ({TOKENS_KEY}) to draft in", same_family)
+    if theirs != ours:
+        raise InventoryError(f"{field}: {draft.name} has a vocabulary of {theirs} tokens, the model {model.name} "
+                             f"{ours}: drafts must be the model's own tokens", same_family)
+    mine, its = string_items(drafting, TOKENS_KEY), string_items(target, TOKENS_KEY)
+    first = next((index for index, (one, other) in enumerate(zip(mine, its, strict=True)) if one != other), None)
+    if first is not None:  # else the same tokens, written differently
+        raise InventoryError(f"{field}: {draft.name} and the model {model.name} have different vocabularies (token "
+                             f"{first} is {mine[first]!r} in one, {its[first]!r} in the other)", same_family)
 
 
 # Words for the demo vocabulary; every token string is unique (llama.cpp asserts on duplicates).

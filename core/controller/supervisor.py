@@ -32,6 +32,7 @@ from core.engine.protocol import (
 )
 from core.errors import ClusterError, PlanError, WorkerError
 from core.inventory import Inventory
+from core.inventory_fields import DRAFT_P_MIN
 from core.model import ModelFacts
 from core.nodes import worker
 from core.state import StateDir
@@ -220,12 +221,16 @@ class CoordinatorSupervisor:
             endpoints.append(f"{endpoint[0]}:{endpoint[1]}")
         self.compute.connect(dict(zip(endpoints, plan.used, strict=True)))  # its reports name the endpoint
         template_file = self.inventory.chat_template_file
+        draft = self.inventory.draft
         config = CoordinatorConfig(model=str(self.model.path), endpoints=tuple(endpoints),
                                    tensor_split=plan.used_split, context=self.inventory.context,
                                    chat_format=self.inventory.chat_format,
                                    chat_template_file=str(template_file) if template_file else None,
                                    parallel=plan.slots, sampling=self.inventory.sampling,
-                                   speculative=self.inventory.speculative)
+                                   speculative="draft_model" if draft else str(self.inventory.speculative),
+                                   draft_model=str(self.inventory.draft_model_path) if draft else None,
+                                   draft_threads=draft.threads if draft else 1,
+                                   draft_p_min=draft.p_min if draft else DRAFT_P_MIN)
         self.log.record("plan", self.placement.describe())
         started = time.monotonic()
         with self.state.coordinator_log.open("ab") as log_file:

@@ -31,6 +31,7 @@ from typing import IO, Any
 import numpy as np
 
 from core.engine.chain import NodeSampler, coordinator_reason
+from core.engine.draft_model import DraftModel
 from core.engine.llama_context import LlamaEngine
 from core.engine.protocol import (
     EXIT_COMPUTE_FAILED,
@@ -50,6 +51,8 @@ from core.engine.rpc_client import ComputeStatus, register_rpc_servers
 from core.engine.sampling import GrammarError, logprobs, sampler_for
 from core.engine.slots import Choose, PersistentComputeFailure, RequestIds, Scheduler, Slot
 from core.engine.speculation import NgramDraft
+from core.engine.step import Draft
+from core.inventory_fields import DRAFT_P_MIN
 from core.model import DRAFT_MAX, outputs_per_slot
 
 # llama.cpp's default is `auto`, which turns flash attention on wherever the layer's device runs it; the RPC
@@ -72,7 +75,11 @@ class CoordinatorConfig:
     chat_template_file: str | None = None  # a Jinja chat template file, instead of the GGUF's template
     parallel: int = 1                      # slots: requests decoded together, each with its own `context`
     sampling: str = "node"                 # node: where the output layer is (core.engine.chain); coordinator: here
-    speculative: str = "ngram"             # ngram: drafts verified in the step (core.engine.speculation); off
+    speculative: str = "ngram"             # ngram: drafts verified in the step (core.engine.speculation); off;
+    #                                        draft_model: drafts from ``draft_model`` (core.engine.draft_model)
+    draft_model: str | None = None         # a GGUF with the model's vocabulary, run here on the CPU
+    draft_threads: int = 1                 # the draft model's CPU threads
+    draft_p_min: float = DRAFT_P_MIN       # a draft ends at a token the draft model gives less than this probability
 
     @property
     def speculates(self) -> bool:
@@ -85,7 +92,9 @@ class CoordinatorConfig:
                            "tensor_split": list(self.tensor_split), "context": self.context,
                            "threads": self.threads, "chat_format": self.chat_format,
                            "chat_template_file": self.chat_template_file, "parallel": self.parallel,
-                           "sampling": self.sampling, "speculative": self.speculative})
+                           "sampling": self.sampling, "speculative": self.speculative,
+                           "draft_model": self.draft_model, "draft_threads": self.draft_threads,
+                           "draft_p_min": self.draft_p_min})
 
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
@@ -95,7 +104,9 @@ class CoordinatorConfig:
                    tensor_split=tuple(data["tensor_split"]), context=int(data["context"]),
                    threads=int(data.get("threads", 1)), chat_format=data.get("chat_format"),
                    chat_template_file=data.get("chat_template_file"), parallel=int(data.get("parallel", 1)),
-                   sampling=data.get("sampling", "node"), speculative=data.get("speculative", "ngram"))
+                   sampling=data.get("sampling", "node"), speculative=data.get("speculative", "ngram"),
+                   draft_model=data.get("draft_model"), draft_threads=int(data.get("draft_threads", 1)),
+                   draft_p_min=float(data.get("draft_p_min", DRAFT_P_MIN)))
 
 
 NO_CHAT_TEMPLATE = ("the model has no chat template (no tokenizer.chat_template in its GGUF, and no chat_template in "
@@ -192,12 +203,14 @@ class Generator:
     """A loaded model: turns requests into slots for the scheduler (core.engine.slots)."""
 
     def __init__(self, llm: Any, lib: Any, chat: Chat | None = None, compute: ComputeStatus | None = None,
-                 context: int | None = None, *, on_node: bool = False, speculative: bool = False) -> None:
+                 context: int | None = None, *, on_node: bool = False, speculative: bool = False,
+                 draft_model: DraftModel | None = None) -> None:
         """``llm``: a `llama_cpp.Llama`; ``lib``: the llama_cpp module (its C calls); ``chat``: how chats become
         prompts, or None (chats are refused); ``compute``: the workers' reported compute failures; ``context``:
         tokens each request may hold (default: the whole context); ``on_node``: sample where the output layer is,
         each request that can be (core.engine.chain); ``speculative``: draft tokens from each request's own, for
-        the step to verify (core.engine.speculation)."""
+        the step to verify (core.engine.speculation); ``draft_model``: draft with this model instead
+        (core.engine.draft_model)."""
         self.requests = RequestIds()
         self.llm = llm
         self.lib = lib
@@ -209,6 +222,7 @@ class Generator:
         self._ends: np.ndarray | None = None  # the end-of-text tokens, found when a request first ignores them
         self.on_node = on_node
         self.speculative = speculative
+        self.draft_model = draft_model
 
     @classmethod
     def load(cls, config: CoordinatorConfig, compute: ComputeStatus | None = None) -> Generator:
@@ -220,8 +234,10 @@ class Generator:
                 model_path=config.model, n_gpu_layers=-1, tensor_split=list(config.tensor_split) or None,
                 n_ctx=config.context * config.parallel, n_threads=config.threads, n_threads_batch=config.threads,
                 flash_attn=FLASH_ATTENTION, logits_all=False, verbose=True)
+        draft_model = (DraftModel.load(config.draft_model, config.context, config.parallel, config.draft_threads,
+                                       config.draft_p_min) if config.speculates and config.draft_model else None)
         return cls(llm, llama_cpp, load_chat(llm, config), compute, config.context,
-                   on_node=config.sampling == "node", speculative=config.speculates)
+                   on_node=config.sampling == "node", speculative=config.speculates, draft_model=draft_model)
 
     def prompt_tokens(self, request: Generate) -> list[int]:
         """The request's prompt as tokens: given, a chat rendered with the model's template, or plain text."""
@@ -266,12 +282,22 @@ class Generator:
         def explain(logits: np.ndarray, token: int) -> TokenLogprobs | None:
             return self.logprobs(logits, token, top_n) if top_n is not None else None
 
-        drafts = DRAFT_MAX if request.draft_max is None else min(request.draft_max, DRAFT_MAX)
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
                     choose=self._without_ends(sampler.choose) if request.ignore_eos else sampler.choose,
                     accept=sampler.accept, replayed=sampler.replayed, explain=explain, node=node,
-                    draft=NgramDraft(prompt + request.replay, drafts) if self.speculative and drafts else None)
+                    draft=self.draft(request, prompt))
+
+    def draft(self, request: Generate, prompt: list[int]) -> Draft | None:
+        """The request's drafts, from its tokens so far (after a restart, its replayed ones too): the draft model's
+        when there is one, else n-grams; None when it speculates not (speculative off, or speculative.n_max 0)."""
+        limit = DRAFT_MAX if request.draft_max is None else min(request.draft_max, DRAFT_MAX)
+        if not self.speculative or not limit:
+            return None
+        tokens = prompt + list(request.replay)
+        if self.draft_model is not None:
+            return self.draft_model.sequence(tokens, limit)
+        return NgramDraft(tokens, limit)
 
     def ends(self) -> np.ndarray:
         """The end-of-text (and end-of-turn) tokens."""

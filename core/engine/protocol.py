@@ -155,6 +155,7 @@ class Done:
     sampled_on: str = ""
     drafted: int = 0   # tokens drafted for it and verified (speculative decoding)
     accepted: int = 0  # of those, the ones the model chose too (each one a token without a step of its own)
+    draft_s: float = 0.0  # spent drafting for it (a draft model's decodes), here, before the steps it rode
 
 
 @dataclass(frozen=True)

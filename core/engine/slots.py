@@ -25,11 +25,11 @@ dropped for every sequence in it and the same batch is decoded again.
 A slot with a sampler for the node (core.engine.chain) has it set on its sequence while it holds the slot: its
 tokens are sampled where the output layer is, and only they cross the network; the others choose from the logits.
 
-A generating slot with a draft (core.engine.speculation) sends tokens drafted after its next one in the same
-step, each with an output. Its outputs are then sampled in order, each as if it were the only one, for as long as
-the token chosen is the draft's next: those drafts are kept with the token chosen after them, the rest and their
-KV cells dropped. Each output samples exactly what one token per step would have (the same logits; a seeded draw
-is taken per token kept), so the text is the same, with fewer steps.
+A generating slot with a draft (core.engine.speculation, core.engine.draft_model) sends tokens drafted after its
+next one in the same step, each with an output. Its outputs are then sampled in order, each as if it were the only
+one, for as long as the token chosen is the draft's next: those drafts are kept with the token chosen after them,
+the rest and their KV cells dropped. Each output samples exactly what one token per step would have (the same
+logits; a seeded draw is taken per token kept), so the text is the same, with fewer steps.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ class Slot:
     generated: int = 0
     drafted: int = 0           # drafted tokens verified
     accepted: int = 0          # of those, kept
+    draft_s: float = 0.0       # spent drafting, before the steps the drafts rode
     prompt_done: float | None = None
     reported: float = field(default_factory=time.perf_counter)
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
@@ -270,7 +271,12 @@ class Scheduler:
     def _drafts(slot: Slot, room: int) -> tuple[int, ...]:
         """The tokens drafted after ``slot``'s next: as many as its budget and the step's ``room`` allow."""
         room = min(slot.budget - slot.generated - 1, room)
-        return tuple(slot.draft.propose(room)) if slot.draft is not None and room > 0 else ()
+        if slot.draft is None or room <= 0:
+            return ()
+        started = time.perf_counter()
+        drafts = tuple(slot.draft.propose(room))
+        slot.draft_s += time.perf_counter() - started
+        return drafts
 
     def _share(self, slot: Slot, older: list[Slot]) -> bool:
         """Start ``slot``'s prompt from a copy of the longest prefix of it that another sequence's cells hold, when
@@ -410,12 +416,14 @@ class Scheduler:
                        replayed_tokens=len(slot.request.replay), completion_tokens=slot.generated,
                        prompt_s=prompt_done - slot.started, decode_s=finished - prompt_done,
                        shared_tokens=slot.shared, sampled_on="node" if slot.node is not None else "coordinator",
-                       drafted=slot.drafted, accepted=slot.accepted))
+                       drafted=slot.drafted, accepted=slot.accepted, draft_s=slot.draft_s))
         self._release(slot)
 
     def _release(self, slot: Slot) -> None:
         if slot.node is not None:
             self.engine.detach(slot.seq)
+        if slot.draft is not None:
+            slot.draft.release()
         self.engine.forget(slot.seq, 0)
         self.slots[slot.seq] = None
         self._closed(slot.rid)

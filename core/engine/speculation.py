@@ -64,3 +64,6 @@ class NgramDraft:
         """Of ``drafted`` tokens, the model chose the first ``accepted``."""
         if drafted:
             self._next = min(self.limit, 2 * accepted + 1)
+
+    def release(self) -> None:
+        """Nothing to free: its n-grams go with it."""

@@ -50,7 +50,7 @@ class NodeChain(Protocol):
 
 
 class Draft(Protocol):
-    """A slot's drafts (core.engine.speculation.NgramDraft)."""
+    """A slot's drafts (core.engine.speculation.NgramDraft, core.engine.draft_model.DraftSequence)."""
 
     def add(self, token: int) -> None:
         """``token`` follows the sequence."""
@@ -62,6 +62,10 @@ class Draft(Protocol):
 
     def judged(self, drafted: int, accepted: int) -> None:
         """Of ``drafted`` tokens, the model chose the first ``accepted``."""
+        ...
+
+    def release(self) -> None:
+        """The slot is done: free what the drafts held."""
         ...
 
 
