@@ -26,7 +26,8 @@ class PlanRow:
     why: str
     predicted_ms: float | None = None  # this node's share of a token, when the nodes were measured
     profile_age_s: float | None = None  # how old the node's profile is
-    live_ms: float | None = None       # what its graph computes take now (the relay's moving average)
+    live_ms: float | None = None       # what its graph computes take now (median under the running plan)
+    drift: float | None = None         # live_ms against the running plan's prediction, as a fraction
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict for JSON."""
@@ -79,15 +80,20 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
                    context=kv_tokens)
+        if speed is not None and measured is not None:
+            why += link_note(speed, measured[0])
         layers = plan.layers[index]
         if layers is not None and layers[1] == model.n_layers - 1:
             why += "; " + output_note(model, kv_tokens, speed, slots=plan.slots, sampling=inventory.sampling)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         age = now - node.profiled_at if node.profiled_at is not None else None
+        # The median under the running plan; a snapshot without it has the relay's moving average.
+        live = node.live_ms if node.live_ms is not None else node.compute_ms
+        drift = live / node.predicted_ms - 1 if live is not None and node.predicted_ms else None
         if age is not None:
-            why += "; " + live_note(age, node.compute_ms, node.predicted_ms)
+            why += "; " + live_note(age, live, node.predicted_ms)
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
-                            capacities[index].usable, why, predicted, age, node.compute_ms))
+                            capacities[index].usable, why, predicted, age, live, drift))
     return plan, rows
 
 
@@ -98,6 +104,21 @@ def live_note(age_s: float, live_ms: float | None, planned_ms: float | None) -> 
         change = live_ms / planned_ms - 1
         note += f"; live {live_ms:.2f} ms per compute against {planned_ms:.2f} planned ({change:+.0%})"
     return note
+
+
+# A node whose fixed cost per token is this many times the fastest node's is told apart by its link (or its
+# dispatch): on one machine's loopback the nodes' fixed costs are within 2x of each other.
+SLOW_LINK_RATIO = 3.0
+
+
+def link_note(speed: NodeSpeed, speeds: list[NodeSpeed]) -> str:
+    """``; its fixed cost ... is 12x the fastest node's`` when a node's fixed cost per token (its round trips,
+    the link's latency) stands out from the others', else ``""``."""
+    fixed = [other.fixed_s for other in speeds if math.isfinite(other.fixed_s) and other.fixed_s > 0]
+    if len(fixed) < 2 or not math.isfinite(speed.fixed_s) or speed.fixed_s < SLOW_LINK_RATIO * min(fixed):
+        return ""
+    return (f"; its fixed cost per token ({speed.fixed_s * 1000:.2f} ms: round trips over its link and dispatch) is "
+            f"{speed.fixed_s / min(fixed):.0f}x the fastest node's")
 
 
 def _age(seconds: float) -> str:

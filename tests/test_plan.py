@@ -92,9 +92,14 @@ def test_compute_plan_explains_every_node() -> None:
                        "(output.weight): 5.0 MiB and a 0.0 MiB logits buffer, 0.00 ms/token, and samples each token "
                        "there (the logits stay on it)")
     assert tiny.why.startswith("no layers: cannot hold one layer")
-    assert far.why == "no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer)"
+    # Its link is why: its fixed cost stands out from the fastest node's (big's note has none).
+    assert far.why == ("no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer); its fixed "
+                       "cost per token (20.00 ms: round trips over its link and dispatch) is 20x the fastest node's")
     assert big.predicted_ms == pytest.approx(17.0)
     assert plan.predicted_total_s == pytest.approx(0.0175)  # with the coordinator's 0.5 ms
+    # Within a few times of each other, fixed costs are dispatch and scheduling, not a slow link.
+    _, rows = plan_rows(measured(three, {"big": (1.0, 2.0), "far": (2.5, 2.0)}), inventory, MODEL, "compute")
+    assert "link" not in rows[3].why
 
 
 def test_compute_plan_says_when_memory_decides() -> None:
@@ -144,6 +149,11 @@ def test_plan_shows_each_profiles_age_and_how_far_the_live_numbers_are_from_it()
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
     assert rows[0].why.endswith("; profiled 3 h ago; live 16.50 ms per compute against 21.30 planned (-23%)")
     assert (rows[0].to_dict()["profile_age_s"], rows[0].to_dict()["live_ms"]) == (3 * 3600, 16.5)
+    assert rows[0].drift == pytest.approx(16.5 / 21.3 - 1)
+    big.live_ms = 20.0  # the median under the running plan, where the controller has one, over the moving average
+    _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
+    assert rows[0].why.endswith("; live 20.00 ms per compute against 21.30 planned (-6%)") and rows[0].live_ms == 20
+    big.live_ms = None
     big.compute_ms = None  # no request since the plan: the age alone
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
     assert rows[0].why.endswith("; profiled 90 s ago")

@@ -1,0 +1,106 @@
+"""The plan learns from the relay's times: drift, the corrected profile and the re-plan verdict (pure; no workers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.controller.drift import (
+    FLOOR_MS,
+    WINDOW,
+    Live,
+    corrected,
+    drifted,
+    expected_tokens,
+    live_time,
+    verdict,
+)
+from core.engine.profile import NodeProfile, node_speed
+from core.model import ModelFacts
+from core.planner import NodeCapacity, node_share, plan_compute
+
+MIB = 1 << 20
+MODEL = ModelFacts(path=Path("m.gguf"), name="m.gguf", architecture="llama", n_layers=8, n_embd=64,
+                   layer_bytes=(10 * MIB,) * 8, output_bytes=2 * MIB, input_bytes=MIB, kv_bytes_per_token_layer=0)
+# 1 ms fixed (0.25 of it the coordinator's), 1 ms per layer, 0.5 ms for the output layer.
+PROFILE = NodeProfile(fixed_s=0.001, seconds_per_byte=0.001 / (10 * MIB), measured_at=100.0, samples=16,
+                      output_s=0.0005)
+OVERHEAD_S = 0.00025
+
+
+def test_live_time_is_the_median_of_the_latest_window_and_waits_for_a_full_one() -> None:
+    assert live_time([1.0] * (WINDOW - 1)) is None
+    # A prompt's batch and a busy moment among the computes move a median of the window not at all.
+    samples = [50.0] * 10 + [2.0] * (WINDOW - 3) + [40.0, 2.1, 90.0]
+    assert live_time(samples) == Live(2.0, len(samples))
+    assert live_time([3.0, 1.0, 2.0], window=3) == Live(2.0, 3)
+
+
+def test_drift_needs_both_the_relative_and_the_absolute_bound() -> None:
+    assert drifted("a", None, 10.0) is None  # not measured long enough
+    assert drifted("a", Live(12.0, WINDOW), 10.0) is None  # +20 %: within what fresh profiles miss by
+    slow = drifted("a", Live(13.0, WINDOW), 10.0)
+    assert slow is not None and slow.change == pytest.approx(0.3)
+    assert slow.describe() == (f"live 13.00 ms per compute against 10.00 ms predicted (+30%, median of the last "
+                               f"{WINDOW} computes)")
+    fast = drifted("a", Live(16.5, WINDOW), 21.3)  # the issue's busy-machine profile: 23 % too slow
+    assert fast is not None and fast.change < 0
+    # On a fast node half the prediction is a few tenths of a ms: scheduling noise, not drift.
+    assert drifted("a", Live(0.1 + FLOOR_MS * 0.9, WINDOW), 0.1) is None
+    assert drifted("a", Live(0.1 + FLOOR_MS * 1.1, WINDOW), 0.1) is not None
+    assert drifted("a", Live(5.0, WINDOW), None) is None  # no prediction: nothing to depart from
+
+
+def test_the_corrected_profile_predicts_the_live_time_and_keeps_the_coordinators_share() -> None:
+    layers = (0, 7)  # all eight and the output: 0.75 + 8 + 0.5 = 9.25 ms predicted
+    assert node_share(node_speed(MODEL, PROFILE, OVERHEAD_S), layers, MODEL) == pytest.approx(0.00925)
+    busy = corrected(PROFILE, OVERHEAD_S, MODEL, layers, live_s=0.0185, measured_at=200.0, samples=40)
+    assert node_share(node_speed(MODEL, busy, OVERHEAD_S), layers, MODEL) == pytest.approx(0.0185)
+    assert busy.fixed_s == pytest.approx(OVERHEAD_S + 0.00075 * 2)
+    assert busy.seconds_per_byte == pytest.approx(PROFILE.seconds_per_byte * 2)
+    assert busy.output_s == pytest.approx(0.001)
+    assert (busy.measured_at, busy.samples, busy.source) == (200.0, 40, "live")
+    # Over other layers the corrected profile predicts them scaled alike.
+    middle = (2, 4)
+    assert node_share(node_speed(MODEL, busy, OVERHEAD_S), middle, MODEL) == pytest.approx(
+        2 * node_share(node_speed(MODEL, PROFILE, OVERHEAD_S), middle, MODEL))
+    # A profile that predicted nothing for the node: the whole live time is fixed cost.
+    nothing = NodeProfile(fixed_s=OVERHEAD_S, seconds_per_byte=0.0, measured_at=1.0, samples=1)
+    fixed = corrected(nothing, OVERHEAD_S, MODEL, layers, live_s=0.004, measured_at=2.0, samples=32)
+    assert node_share(node_speed(MODEL, fixed, OVERHEAD_S), layers, MODEL) == pytest.approx(0.004)
+
+
+def test_a_corrected_profile_moves_the_layers_to_the_node_that_is_now_faster() -> None:
+    """Two equal nodes; the first's profile claimed it ten times faster than it is, so it got every layer."""
+    nodes = [NodeCapacity("a", 1 << 40), NodeCapacity("b", 1 << 40)]
+    claimed = NodeProfile(fixed_s=OVERHEAD_S + 0.000075, seconds_per_byte=PROFILE.seconds_per_byte / 10,
+                          measured_at=1.0, samples=16, output_s=0.00005)
+    speeds = [node_speed(MODEL, claimed, OVERHEAD_S), node_speed(MODEL, PROFILE, OVERHEAD_S)]
+    assert plan_compute(MODEL, nodes, speeds, 256).layers == ((0, 7), None)
+    fixed = corrected(claimed, OVERHEAD_S, MODEL, (0, 7), live_s=0.0095, measured_at=2.0, samples=32)
+    speeds[0] = node_speed(MODEL, fixed, OVERHEAD_S)
+    assert plan_compute(MODEL, nodes, speeds, 256).layers == (None, (0, 7))
+
+
+def test_expected_tokens_follow_the_rate_so_far() -> None:
+    assert expected_tokens(600, 60.0) == pytest.approx(6000.0)  # 10 tok/s for the next ten minutes
+    assert expected_tokens(600, 60.0, horizon_s=60.0) == pytest.approx(600.0)
+    assert expected_tokens(10, 0.0) == 0.0
+
+
+def test_replan_only_when_the_gain_pays_for_the_reload() -> None:
+    same = verdict(0.010, 0.010, same=True, tokens=1e6, reload_s=1.0)
+    assert not same.replan and same.message == "kept the plan: it is still the fastest on the corrected profiles"
+    small = verdict(0.010, 0.0098, same=False, tokens=1e6, reload_s=1.0)
+    assert not small.replan
+    assert small.message == "kept the plan: predicted gain 0.20 ms/token (2%) is under the 5% threshold"
+    few = verdict(0.010, 0.008, same=False, tokens=200, reload_s=1.0)  # 2 ms x 200 tokens = 0.4 s
+    assert not few.replan and few.gain_ms == pytest.approx(2.0)
+    assert few.message == ("kept the plan: predicted gain 2.00 ms/token (20%) over 200 expected tokens (10 min at "
+                           "the rate so far) is 0.4 s, less than a reload (1.0 s)")
+    many = verdict(0.010, 0.008, same=False, tokens=2000, reload_s=1.0)  # 4 s against 1 s
+    assert many.replan
+    assert many.message == ("re-planning: predicted gain 2.00 ms/token (20%) over 2000 expected tokens (10 min at "
+                            "the rate so far) is 4.0 s, more than a reload (1.0 s)")
+    assert not verdict(0.010, 0.008, same=False, tokens=1e9, reload_s=float("inf")).replan  # never loaded yet
