@@ -29,27 +29,34 @@ PROFILE = NodeProfile(fixed_s=0.001, seconds_per_byte=0.001 / (10 * MIB), measur
 OVERHEAD_S = 0.00025
 
 
-def test_live_time_is_the_median_of_the_latest_window_and_waits_for_a_full_one() -> None:
-    assert live_time([1.0] * (WINDOW - 1)) is None
-    # A prompt's batch and a busy moment among the computes move a median of the window not at all.
-    samples = [50.0] * 10 + [2.0] * (WINDOW - 3) + [40.0, 2.1, 90.0]
-    assert live_time(samples) == Live(2.0, len(samples))
-    assert live_time([3.0, 1.0, 2.0], window=3) == Live(2.0, 3)
+def steady(ms: float) -> Live:
+    return Live(ms, (ms, ms), 2 * WINDOW)
 
 
-def test_drift_needs_both_the_relative_and_the_absolute_bound() -> None:
+def test_live_time_is_the_median_of_the_latest_two_windows_and_waits_for_both() -> None:
+    assert live_time([1.0] * (2 * WINDOW - 1)) is None
+    # A prompt's batches and a busy moment among the computes move a window's median not at all.
+    samples = [50.0] * 10 + [2.0] * (2 * WINDOW - 3) + [40.0, 2.1, 90.0]
+    assert live_time(samples) == Live(2.0, (2.0, 2.0), len(samples))
+    assert live_time([3.0, 1.0, 5.0, 7.0], window=2) == Live(4.0, (2.0, 6.0), 4)
+
+
+def test_drift_needs_both_bounds_in_both_windows_on_the_same_side() -> None:
     assert drifted("a", None, 10.0) is None  # not measured long enough
-    assert drifted("a", Live(12.0, WINDOW), 10.0) is None  # +20 %: within what fresh profiles miss by
-    slow = drifted("a", Live(13.0, WINDOW), 10.0)
+    assert drifted("a", steady(12.0), 10.0) is None  # +20 %: within what fresh profiles miss by
+    slow = drifted("a", steady(13.0), 10.0)
     assert slow is not None and slow.change == pytest.approx(0.3)
     assert slow.describe() == (f"live 13.00 ms per compute against 10.00 ms predicted (+30%, median of the last "
-                               f"{WINDOW} computes)")
-    fast = drifted("a", Live(16.5, WINDOW), 21.3)  # the busy-machine profile: 23 % too slow
+                               f"{2 * WINDOW} computes)")
+    fast = drifted("a", steady(15.5), 21.3)  # the busy-machine profile: 27 % too slow
     assert fast is not None and fast.change < 0
-    # On a fast node half the prediction is a few tenths of a ms: scheduling noise, not drift.
-    assert drifted("a", Live(0.1 + FLOOR_MS * 0.9, WINDOW), 0.1) is None
-    assert drifted("a", Live(0.1 + FLOOR_MS * 1.1, WINDOW), 0.1) is not None
-    assert drifted("a", Live(5.0, WINDOW), None) is None  # no prediction: nothing to depart from
+    # One busy window is not drift, nor two that depart on opposite sides.
+    assert drifted("a", Live(13.0, (10.0, 16.0), 2 * WINDOW), 10.0) is None
+    assert drifted("a", Live(10.0, (5.0, 15.0), 2 * WINDOW), 10.0) is None
+    # On a fast node half the prediction is a fraction of a ms: scheduling noise, not drift.
+    assert drifted("a", steady(0.1 + FLOOR_MS * 0.9), 0.1) is None
+    assert drifted("a", steady(0.1 + FLOOR_MS * 1.1), 0.1) is not None
+    assert drifted("a", steady(5.0), None) is None  # no prediction: nothing to depart from
 
 
 def test_the_corrected_profile_predicts_the_live_time_and_keeps_the_coordinators_share() -> None:

@@ -5,7 +5,8 @@ what a reload costs.
 The relay times every GRAPH_COMPUTE to the worker's first answer after it: the node's compute, its round trip and
 the next tensor's transfer, which is the node's share of a token that the plan predicts. Single computes are noisy
 (a prompt's batch, a draft's rows, the machine's other work), so a node's live time is the median of its latest
-computes under the running plan, and it counts as drifted only past both a relative and an absolute bound.
+computes under the running plan, and it counts as drifted only when two windows in a row depart past both a
+relative and an absolute bound, the same way (one busy moment on a shared machine moves one window).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from core.engine.profile import NodeProfile, node_speed
 from core.model import ModelFacts
 from core.planner import node_share
 
-# Computes under the running plan behind a node's live time: a median over this many shrugs off a prompt's batches
-# and a busy moment (measured: see README, "The plan learns").
+# Computes in each of the two windows behind a node's live time: a median over this many shrugs off a prompt's
+# batches and a draft's rows (README, "The plan learns from the relay", has the numbers measured here).
 WINDOW = 32
-# A live median this far from the prediction, both relatively and in ms, is drift rather than noise: fresh profiles
-# predicted within 4-13 % of the live times; a profile cached while the machine was busy was 27-31 % off.
-RELATIVE = 0.20
-FLOOR_MS = 0.3
+# A live median this far from the prediction, both relatively and in ms, is drift rather than noise: on the real
+# model fresh profiles predicted within 4-13 % of the live times, a profile cached while the machine was busy 27-31 %
+# off; the floor is above what the relay cannot see on a small model (the coordinator's own work for the node).
+RELATIVE = 0.25
+FLOOR_MS = 1.0
 # What a re-plan must predict to save, as a share of a token: less is within the profiles' own error.
 MIN_GAIN = 0.05
 # The tokens a re-plan is expected to pay back over: those of the next ten minutes, at the rate seen so far.
@@ -33,17 +35,21 @@ HORIZON_S = 600.0
 
 @dataclass(frozen=True)
 class Live:
-    """A node's live time per compute under the running plan: the median of its latest computes."""
+    """A node's live time per compute under the running plan: the median of its latest two windows of computes,
+    and of each window alone (earlier, later)."""
 
     ms: float
-    samples: int  # computes timed under the running plan (the median takes the latest WINDOW of them)
+    windows: tuple[float, float]
+    samples: int  # computes timed under the running plan
 
 
 def live_time(samples_ms: Sequence[float], window: int = WINDOW) -> Live | None:
-    """The median of the latest ``window`` compute times; None before there are that many."""
-    if len(samples_ms) < window:
+    """The median of the latest two ``window``s of compute times, and of each; None before there are that many."""
+    if len(samples_ms) < 2 * window:
         return None
-    return Live(statistics.median(samples_ms[-window:]), len(samples_ms))
+    earlier, later = samples_ms[-2 * window:-window], samples_ms[-window:]
+    return Live(statistics.median([*earlier, *later]), (statistics.median(earlier), statistics.median(later)),
+                len(samples_ms))
 
 
 @dataclass(frozen=True)
@@ -62,16 +68,18 @@ class Drift:
     def describe(self) -> str:
         """One line for the event log."""
         return (f"live {self.live_ms:.2f} ms per compute against {self.predicted_ms:.2f} ms predicted "
-                f"({self.change:+.0%}, median of the last {WINDOW} computes)")
+                f"({self.change:+.0%}, median of the last {2 * WINDOW} computes)")
 
 
 def drifted(node: str, live: Live | None, predicted_ms: float | None, *, relative: float = RELATIVE,
             floor_ms: float = FLOOR_MS) -> Drift | None:
-    """The node's drift when its live time is further than ``relative`` of the prediction and ``floor_ms`` from it;
-    None while it is within noise, not yet measured long enough, or has no prediction."""
+    """The node's drift when both its windows are further than ``relative`` of the prediction and ``floor_ms`` from
+    it, on the same side; None while within noise, not yet measured long enough, or without a prediction."""
     if live is None or not predicted_ms:
         return None
-    if abs(live.ms - predicted_ms) <= max(relative * predicted_ms, floor_ms):
+    bound = max(relative * predicted_ms, floor_ms)
+    earlier, later = (median - predicted_ms for median in live.windows)
+    if min(abs(earlier), abs(later)) <= bound or (earlier > 0) != (later > 0):
         return None
     return Drift(node, live.ms, predicted_ms)
 
