@@ -91,15 +91,16 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         live = node.live_ms if node.live_ms is not None else node.compute_ms
         drift = live / node.predicted_ms - 1 if live is not None and node.predicted_ms else None
         if age is not None:
-            why += "; " + live_note(age, live, node.predicted_ms)
+            why += "; " + live_note(age, live, node.predicted_ms, corrected=node.profile_source == "live")
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
                             capacities[index].usable, why, predicted, age, live, drift))
     return plan, rows
 
 
-def live_note(age_s: float, live_ms: float | None, planned_ms: float | None) -> str:
-    """A profile's age, and how far the node's live compute time is from its share in the running plan."""
-    note = f"profiled {_age(age_s)} ago"
+def live_note(age_s: float, live_ms: float | None, planned_ms: float | None, *, corrected: bool = False) -> str:
+    """A profile's age (``corrected``: from the relay's live times rather than timed by the profiler), and how far
+    the node's live compute time is from its share in the running plan."""
+    note = f"{'corrected from live times' if corrected else 'profiled'} {_age(age_s)} ago"
     if live_ms is not None and planned_ms:
         change = live_ms / planned_ms - 1
         note += f"; live {live_ms:.2f} ms per compute against {planned_ms:.2f} planned ({change:+.0%})"

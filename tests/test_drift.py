@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+from core.controller.adapt import Adaptation, Traffic
 from core.controller.drift import (
     FLOOR_MS,
     WINDOW,
@@ -19,6 +23,7 @@ from core.controller.drift import (
 from core.engine.profile import NodeProfile, node_speed
 from core.model import ModelFacts
 from core.planner import NodeCapacity, node_share, plan_compute
+from core.status import NodeStatus
 
 MIB = 1 << 20
 MODEL = ModelFacts(path=Path("m.gguf"), name="m.gguf", architecture="llama", n_layers=8, n_embd=64,
@@ -111,3 +116,21 @@ def test_replan_only_when_the_gain_pays_for_the_reload() -> None:
     assert many.message == ("re-planning: predicted gain 2.00 ms/token (20%) over 2000 expected tokens (10 min at "
                             "the rate so far) is 4.0 s, more than a reload (1.0 s)")
     assert not verdict(0.010, 0.008, same=False, tokens=1e9, reload_s=float("inf")).replan  # never loaded yet
+
+
+def test_status_carries_each_nodes_live_time_under_the_running_plan_alone() -> None:
+    """Computes timed before the plan was made (the profiler's, an earlier plan's) are not the plan's live time."""
+    before, under = [50.0] * 40, [2.0] * WINDOW + [3.0] * WINDOW
+    stats = SimpleNamespace(recent=deque(before + under, maxlen=256), computes_timed=len(before) + len(under))
+    fleet = SimpleNamespace(nodes={"a": SimpleNamespace(relay=SimpleNamespace(stats=stats)),
+                                   "b": SimpleNamespace(relay=None)})
+    placement = SimpleNamespace(since={"a": len(before), "b": 0})
+    adaptation = Adaptation(cast(Any, fleet), cast(Any, placement), cast(Any, None),
+                            Traffic(tokens=lambda: 0, started_at=0.0, reload_s=lambda: None), replan=print)
+    assert adaptation.live("a") == Live(2.5, (2.0, 3.0), 2 * WINDOW)
+    a = NodeStatus(name="a", host="h", kind="local", rpc_port=1, layers=(0, 7), predicted_ms=2.0)
+    b = NodeStatus(name="b", host="h", kind="local", rpc_port=2, layers=None)
+    adaptation.annotate([a, b])
+    assert (a.live_ms, a.drift, b.live_ms, b.drift) == (2.5, pytest.approx(0.25), None, None)
+    placement.since["a"] = len(before) + 1  # one compute fewer under the plan than two windows
+    assert adaptation.live("a") is None

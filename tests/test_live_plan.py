@@ -99,7 +99,8 @@ def test_a_profile_the_node_no_longer_matches_is_corrected_from_live_numbers_and
             assert fixed["source"] == "live" and fixed["measured_at"] > claim["measured_at"] + 86400
             assert fixed["fixed_s"] > 10 * claim["fixed_s"]  # back near what was measured over the link
             # `plan` shows the corrected profile's age, and the text is what it was before the move.
-            assert plan_rows(cluster)["n1"]["profile_age_s"] < 3600
+            row = plan_rows(cluster)["n1"]
+            assert row["profile_age_s"] < 3600 and "corrected from live times" in row["why"]
             assert cluster.cli("run", PROMPT, "-n", "64").stdout == text
         finally:
             cluster.cli("down", check=False)

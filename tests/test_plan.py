@@ -153,7 +153,11 @@ def test_plan_shows_each_profiles_age_and_how_far_the_live_numbers_are_from_it()
     big.live_ms = 20.0  # the median under the running plan, where the controller has one, over the moving average
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
     assert rows[0].why.endswith("; live 20.00 ms per compute against 21.30 planned (-6%)") and rows[0].live_ms == 20
-    big.live_ms = None
+    big.live_ms, big.profile_source = None, "live"  # corrected from the relay's times, not timed by the profiler
+    _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
+    assert rows[0].why.endswith("; corrected from live times 90 s ago; live 16.50 ms per compute against 21.30 "
+                                "planned (-23%)")
+    big.profile_source = "timed"
     big.compute_ms = None  # no request since the plan: the age alone
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
     assert rows[0].why.endswith("; profiled 90 s ago")

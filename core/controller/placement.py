@@ -141,6 +141,7 @@ class Placement:
             status.output_ms = speed.output_s * 1000 if speed else None
             profile = profiles.nodes.get(name) if profiles is not None else None
             status.profiled_at = profile.measured_at if profile is not None else None
+            status.profile_source = profile.source if profile is not None else ""
         for index, (name, layers) in enumerate(zip(plan.nodes, plan.layers, strict=True)):
             every[name].status.layers = layers
             if plan.predicted_s and layers:
@@ -169,7 +170,7 @@ class Placement:
             status.predicted_ms = self.plan.predicted_s[index] * 1000 if self.plan.layers[index] else None
         speed = speeds[self.plan.nodes.index(name)] if name in self.plan.nodes else None
         status = every[name].status
-        status.profiled_at = profile.measured_at
+        status.profiled_at, status.profile_source = profile.measured_at, profile.source
         if speed is not None:
             status.fixed_ms, status.layer_ms = speed.fixed_s * 1000, speed.per_layer_s * 1000
             status.output_ms = speed.output_s * 1000
