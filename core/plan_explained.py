@@ -80,8 +80,8 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
                    context=kv_tokens)
-        if speed is not None and measured is not None:
-            why += link_note(speed, measured[0])
+        if strategy == "compute":
+            why += link_note(node, usable)
         layers = plan.layers[index]
         if layers is not None and layers[1] == model.n_layers - 1:
             why += "; " + output_note(model, kv_tokens, speed, slots=plan.slots, sampling=inventory.sampling)
@@ -107,19 +107,23 @@ def live_note(age_s: float, live_ms: float | None, planned_ms: float | None, *, 
     return note
 
 
-# A node whose fixed cost per token is this many times the fastest node's is told apart by its link (or its
-# dispatch): on one machine's loopback the nodes' fixed costs are within 2x of each other.
-SLOW_LINK_RATIO = 3.0
+# A node whose round trip is this many times the nearest node's, and at least a ms more, is far: on one machine's
+# loopback round trips are tenths of a ms; a link with 10 ms each way adds 20 ms to every token the node serves.
+FAR_RATIO = 3.0
+FAR_MIN_MS = 1.0
 
 
-def link_note(speed: NodeSpeed, speeds: list[NodeSpeed]) -> str:
-    """``; its fixed cost ... is 12x the fastest node's`` when a node's fixed cost per token (its round trips,
-    the link's latency) stands out from the others', else ``""``."""
-    fixed = [other.fixed_s for other in speeds if math.isfinite(other.fixed_s) and other.fixed_s > 0]
-    if len(fixed) < 2 or not math.isfinite(speed.fixed_s) or speed.fixed_s < SLOW_LINK_RATIO * min(fixed):
+def link_note(node: NodeStatus, nodes: list[NodeStatus]) -> str:
+    """``; its link's round trip is 20.40 ms (the nearest node's: 0.20 ms) ...`` when a node's link stands out from
+    the others' (its probed round trip), else ``""``."""
+    rtts = [other.rtt_ms for other in nodes if other.rtt_ms is not None]
+    if node.rtt_ms is None or len(rtts) < 2:
         return ""
-    return (f"; its fixed cost per token ({speed.fixed_s * 1000:.2f} ms: round trips over its link and dispatch) is "
-            f"{speed.fixed_s / min(fixed):.0f}x the fastest node's")
+    nearest = min(rtts)
+    if node.rtt_ms < max(FAR_RATIO * nearest, nearest + FAR_MIN_MS):
+        return ""
+    return (f"; its link's round trip is {node.rtt_ms:.2f} ms (the nearest node's: {nearest:.2f} ms), paid on every "
+            "token it serves")
 
 
 def _age(seconds: float) -> str:

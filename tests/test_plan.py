@@ -92,14 +92,19 @@ def test_compute_plan_explains_every_node() -> None:
                        "(output.weight): 5.0 MiB and a 0.0 MiB logits buffer, 0.00 ms/token, and samples each token "
                        "there (the logits stay on it)")
     assert tiny.why.startswith("no layers: cannot hold one layer")
-    # Its link is why: its fixed cost stands out from the fastest node's (big's note has none).
-    assert far.why == ("no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer); its fixed "
-                       "cost per token (20.00 ms: round trips over its link and dispatch) is 20x the fastest node's")
+    assert far.why == "no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer)"
     assert big.predicted_ms == pytest.approx(17.0)
     assert plan.predicted_total_s == pytest.approx(0.0175)  # with the coordinator's 0.5 ms
-    # Within a few times of each other, fixed costs are dispatch and scheduling, not a slow link.
-    _, rows = plan_rows(measured(three, {"big": (1.0, 2.0), "far": (2.5, 2.0)}), inventory, MODEL, "compute")
-    assert "link" not in rows[3].why
+    # Its link is why, where the probes timed the links: its round trip stands out from the nearest node's.
+    three.nodes[0].rtt_ms, three.nodes[3].rtt_ms = 0.2, 20.4
+    _, rows = plan_rows(three, inventory, MODEL, "compute")
+    assert rows[3].why == ("no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer); its "
+                           "link's round trip is 20.40 ms (the nearest node's: 0.20 ms), paid on every token it serves")
+    assert "link" not in rows[0].why
+    three.nodes[3].rtt_ms = 0.5  # within a few times and a ms of each other: dispatch and scheduling, not a link
+    assert "link" not in plan_rows(three, inventory, MODEL, "compute")[1][3].why
+    three.nodes[0].rtt_ms, three.nodes[3].rtt_ms = 0.0, 1.2  # the nearest at nothing: a ms more is far
+    assert "round trip is 1.20 ms" in plan_rows(three, inventory, MODEL, "compute")[1][3].why
 
 
 def test_compute_plan_says_when_memory_decides() -> None:
