@@ -11,6 +11,7 @@ import pytest
 
 from core.controller.adapt import Adaptation, Traffic
 from core.controller.drift import (
+    COOLDOWN_S,
     FLOOR_MS,
     WINDOW,
     Live,
@@ -116,6 +117,11 @@ def test_replan_only_when_the_gain_pays_for_the_reload() -> None:
     assert many.message == ("re-planning: predicted gain 2.00 ms/token (20%) over 2000 expected tokens (10 min at "
                             "the rate so far) is 4.0 s, more than a reload (1.0 s)")
     assert not verdict(0.010, 0.008, same=False, tokens=1e9, reload_s=float("inf")).replan  # never loaded yet
+    # Two nodes taking turns being slow on a shared machine: one re-plan, then none for a while.
+    assert verdict(0.010, 0.008, same=False, tokens=2000, reload_s=1.0, since_replan_s=COOLDOWN_S + 1).replan
+    soon = verdict(0.010, 0.008, same=False, tokens=2000, reload_s=1.0, since_replan_s=42.0)
+    assert not soon.replan
+    assert soon.message.endswith(f"is 4.0 s, but the last re-plan was 42 s ago (at most one per {COOLDOWN_S:.0f} s)")
 
 
 def test_status_carries_each_nodes_live_time_under_the_running_plan_alone() -> None:

@@ -36,6 +36,7 @@ class Adaptation:
         self.log = log
         self.traffic = traffic
         self.replan = replan
+        self.replanned_at: float | None = None  # monotonic time of the last re-plan asked for here
 
     def live(self, name: str) -> Live | None:
         """Node ``name``'s live time under the running plan, once there are enough computes."""
@@ -89,8 +90,10 @@ class Adaptation:
         tokens = expected_tokens(self.traffic.tokens(), time.time() - self.traffic.started_at)
         decision = verdict(_cost(current, self.placement.inventory.objective),
                            _cost(best, self.placement.inventory.objective), same=best.layers == current.layers,
-                           tokens=tokens, reload_s=reload_s if reload_s is not None else float("inf"))
+                           tokens=tokens, reload_s=reload_s if reload_s is not None else float("inf"),
+                           since_replan_s=None if self.replanned_at is None else time.monotonic() - self.replanned_at)
         if decision.replan:
+            self.replanned_at = time.monotonic()
             self.log.record("replan", f"after correcting {names}: {decision.message}")
             self.replan(f"re-planning on the corrected profile of {names}")
         else:

@@ -2,8 +2,9 @@
 
 It builds the units and connects them by explicit hooks: the fleet (each node's life), the placement (profiles
 and plan), the adaptation (the plan against the relays' live times), the coordinator's supervisor (its one owner,
-with the watchdog), the request runner (resume, cancel); and serves them as the Service the endpoints (control socket, OpenAI API, Prometheus) are written
-against. Shutdown stops them in order: nodes' lives, coordinator, workers, relays and connections.
+with the watchdog), the request runner (resume, cancel); and serves them as the Service the endpoints (control
+socket, OpenAI API, Prometheus) are written against. Shutdown stops them in order: nodes' lives, coordinator,
+workers, relays and connections.
 """
 
 from __future__ import annotations

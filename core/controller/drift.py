@@ -31,6 +31,9 @@ FLOOR_MS = 1.0
 MIN_GAIN = 0.05
 # The tokens a re-plan is expected to pay back over: those of the next ten minutes, at the rate seen so far.
 HORIZON_S = 600.0
+# At most one re-plan of its own per this long: on a shared machine two nodes' live times can take turns being slow,
+# and each turn would otherwise cost a reload.
+COOLDOWN_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,10 @@ class Verdict:
 
 
 def verdict(current_s: float, best_s: float, *, same: bool, tokens: float, reload_s: float,
-            min_gain: float = MIN_GAIN) -> Verdict:
-    """Re-plan when the best plan differs, saves at least ``min_gain`` of a token, and its saving over ``tokens``
-    expected tokens outweighs a reload (``reload_s``: the last load's time, during which nothing is served)."""
+            since_replan_s: float | None = None, min_gain: float = MIN_GAIN) -> Verdict:
+    """Re-plan when the best plan differs, saves at least ``min_gain`` of a token, its saving over ``tokens``
+    expected tokens outweighs a reload (``reload_s``: the last load's time, during which nothing is served), and the
+    last re-plan of its own (``since_replan_s`` ago; None: none yet) is COOLDOWN_S past."""
     gain = current_s - best_s
     gain_ms = gain * 1000
     if same or gain <= 0:
@@ -132,4 +136,7 @@ def verdict(current_s: float, best_s: float, *, same: bool, tokens: float, reloa
                f"({HORIZON_S / 60:.0f} min at the rate so far) is {saved:.1f} s")
     if saved <= reload_s:
         return Verdict(False, gain_ms, f"kept the plan: {payback}, less than a reload ({reload_s:.1f} s)")
+    if since_replan_s is not None and since_replan_s < COOLDOWN_S:
+        return Verdict(False, gain_ms, f"kept the plan for now: {payback}, but the last re-plan was "
+                                       f"{since_replan_s:.0f} s ago (at most one per {COOLDOWN_S:.0f} s)")
     return Verdict(True, gain_ms, f"re-planning: {payback}, more than a reload ({reload_s:.1f} s)")
