@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,9 +22,10 @@ from core.controller.drift import (
     live_time,
     verdict,
 )
-from core.engine.profile import NodeProfile, node_speed
+from core.controller.events import EventLog
+from core.engine.profile import NodeProfile, Profiles, node_speed
 from core.model import ModelFacts
-from core.planner import NodeCapacity, node_share, plan_compute
+from core.planner import NodeCapacity, Plan, node_share, plan_compute
 from core.status import NodeStatus
 
 MIB = 1 << 20
@@ -140,3 +142,45 @@ def test_status_carries_each_nodes_live_time_under_the_running_plan_alone() -> N
     assert (a.live_ms, a.drift, b.live_ms, b.drift) == (2.5, pytest.approx(0.25), None, None)
     placement.since["a"] = len(before) + 1  # one compute fewer under the plan than two windows
     assert adaptation.live("a") is None
+
+
+def test_a_drifted_node_is_corrected_and_the_replan_weighed_once(tmp_path: Path) -> None:
+    """The controller's check over stand-ins for the fleet and the placement (no processes)."""
+    def plan(layers: tuple[tuple[int, int] | None, ...], shares: tuple[float, ...]) -> Plan:
+        return Plan(nodes=("a", "b"), tensor_split=(0.5, 0.5), layers=layers, bytes_needed=(0, 0), strategy="compute",
+                    predicted_s=shares)
+
+    stats = SimpleNamespace(recent=deque([18.5] * (2 * WINDOW)), computes_timed=2 * WINDOW)
+    fleet = SimpleNamespace(nodes={"a": SimpleNamespace(relay=SimpleNamespace(stats=stats)),
+                                   "b": SimpleNamespace(relay=None)})
+    corrections: list[tuple[str, NodeProfile]] = []
+    replans: list[str] = []
+    running = plan(((0, 7), None), (0.00925, 0.0))  # PROFILE's prediction for a holding everything
+    placement = SimpleNamespace(
+        plan=running, profiles=Profiles({"a": PROFILE, "b": PROFILE}, OVERHEAD_S, ()), model=MODEL, since={"a": 0},
+        inventory=SimpleNamespace(strategy="memory", objective="latency"), best=lambda: None,
+        correct=lambda name, profile, _every: corrections.append((name, profile)))
+    log = EventLog(tmp_path / "events.jsonl")
+    adaptation = Adaptation(cast(Any, fleet), cast(Any, placement), log,
+                            Traffic(tokens=lambda: 6000, started_at=time.time() - 600, reload_s=lambda: 1.0),
+                            replan=replans.append)
+    adaptation.check()
+    [(name, profile)] = corrections
+    assert name == "a" and profile.source == "live"
+    assert node_share(node_speed(MODEL, profile, OVERHEAD_S), (0, 7), MODEL) == pytest.approx(0.0185)
+    drift, kept = [(event.kind, event.node, event.message) for event in log.recent]
+    assert drift[:2] == ("profile-drift", "a") and drift[2].startswith("live 18.50 ms per compute against 9.25 ms")
+    assert kept == ("plan-kept", None, "kept the plan after correcting a: the inventory's strategy is memory, not "
+                    "compute")
+    # Under the compute strategy, a plan that moves the layers to b and saves half a token is worth a reload (10 tok/s
+    # so far: 6000 tokens over the next ten minutes, 55.5 s saved against a 1 s reload).
+    placement.inventory.strategy = "compute"
+    placement.plan = plan(((0, 7), None), (0.0185, 0.0))
+    placement.best = lambda: plan((None, (0, 7)), (0.0, 0.00925))
+    placement.since["a"] = 0  # the stand-in's correct() does not restart the window, as the real one does
+    stats.recent.extend([30.0] * (2 * WINDOW))
+    stats.computes_timed += 2 * WINDOW
+    adaptation.check()
+    assert log.recent[-1].kind == "replan" and log.recent[-1].message.startswith(
+        "after correcting a: re-planning: predicted gain 9.25 ms/token (50%) over ")
+    assert replans == ["re-planning on the corrected profile of a"]
