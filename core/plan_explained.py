@@ -87,13 +87,10 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
             why += "; " + output_note(model, kv_tokens, speed, slots=plan.slots, sampling=inventory.sampling)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         age = now - node.profiled_at if node.profiled_at is not None else None
-        # The median under the running plan; a snapshot without it has the relay's moving average.
-        live = node.live_ms if node.live_ms is not None else node.compute_ms
-        drift = live / node.predicted_ms - 1 if live is not None and node.predicted_ms else None
         if age is not None:
-            why += "; " + live_note(age, live, node.predicted_ms, corrected=node.profile_source == "live")
+            why += "; " + live_note(age, node.live_ms, node.predicted_ms, corrected=node.profile_source == "live")
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
-                            capacities[index].usable, why, predicted, age, live, drift))
+                            capacities[index].usable, why, predicted, age, node.live_ms, node.drift))
     return plan, rows
 
 

@@ -150,20 +150,18 @@ def test_plan_shows_each_profiles_age_and_how_far_the_live_numbers_are_from_it()
     what the node's computes take now against the share the running plan gave it."""
     status = measured(snapshot(), {"big": (1.0, 2.0)})
     big = status.nodes[0]
-    big.profiled_at, big.compute_ms, big.predicted_ms = 1_000_000.0, 16.5, 21.3
+    # The controller's live time (median of the latest computes under the plan) and its drift from the prediction.
+    big.profiled_at, big.live_ms, big.drift, big.predicted_ms = 1_000_000.0, 16.5, 16.5 / 21.3 - 1, 21.3
+    big.compute_ms = 30.0  # the relay's moving average, over computes of earlier plans too: not the plan's live time
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
     assert rows[0].why.endswith("; profiled 3 h ago; live 16.50 ms per compute against 21.30 planned (-23%)")
     assert (rows[0].to_dict()["profile_age_s"], rows[0].to_dict()["live_ms"]) == (3 * 3600, 16.5)
-    assert rows[0].drift == pytest.approx(16.5 / 21.3 - 1)
-    big.live_ms = 20.0  # the median under the running plan, where the controller has one, over the moving average
-    _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
-    assert rows[0].why.endswith("; live 20.00 ms per compute against 21.30 planned (-6%)") and rows[0].live_ms == 20
-    big.live_ms, big.profile_source = None, "live"  # corrected from the relay's times, not timed by the profiler
+    assert rows[0].to_dict()["drift"] == pytest.approx(16.5 / 21.3 - 1)
+    big.profile_source = "live"  # corrected from the relay's times, not timed by the profiler
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
     assert rows[0].why.endswith("; corrected from live times 90 s ago; live 16.50 ms per compute against 21.30 "
                                 "planned (-23%)")
-    big.profile_source = "timed"
-    big.compute_ms = None  # no request since the plan: the age alone
+    big.profile_source, big.live_ms, big.drift = "timed", None, None  # too few computes under the plan: the age
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
     assert rows[0].why.endswith("; profiled 90 s ago")
     assert rows[1].profile_age_s is None and "profiled" not in rows[1].why  # never measured

@@ -152,7 +152,6 @@ class Placement:
             self._slots_chosen(plan.slots)
         return plan
 
-
     def correct(self, name: str, profile: NodeProfile, every: Mapping[str, NodeRuntime]) -> None:
         """Replace node ``name``'s profile (cached too, for later plans) and the running plan's predictions."""
         if self.profiles is None or self.plan is None:
