@@ -26,7 +26,8 @@ class PlanRow:
     why: str
     predicted_ms: float | None = None  # this node's share of a token, when the nodes were measured
     profile_age_s: float | None = None  # how old the node's profile is
-    live_ms: float | None = None       # what its graph computes take now (the relay's moving average)
+    live_ms: float | None = None       # what its graph computes take now (median under the running plan)
+    drift: float | None = None         # live_ms against the running plan's prediction, as a fraction
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict for JSON."""
@@ -79,25 +80,47 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
         speed = measured[0][index] if measured else None
         why = _why(plan, index, capacity=capacities[index], speed=speed, model=model, strategy=strategy,
                    context=kv_tokens)
+        if strategy == "compute":
+            why += link_note(node, usable)
         layers = plan.layers[index]
         if layers is not None and layers[1] == model.n_layers - 1:
             why += "; " + output_note(model, kv_tokens, speed, slots=plan.slots, sampling=inventory.sampling)
         predicted = plan.predicted_s[index] * 1000 if plan.predicted_s and plan.layers[index] else None
         age = now - node.profiled_at if node.profiled_at is not None else None
         if age is not None:
-            why += "; " + live_note(age, node.compute_ms, node.predicted_ms)
+            why += "; " + live_note(age, node.live_ms, node.predicted_ms, corrected=node.profile_source == "live")
         rows.append(PlanRow(node.name, plan.layers[index], plan.tensor_split[index], plan.bytes_needed[index],
-                            capacities[index].usable, why, predicted, age, node.compute_ms))
+                            capacities[index].usable, why, predicted, age, node.live_ms, node.drift))
     return plan, rows
 
 
-def live_note(age_s: float, live_ms: float | None, planned_ms: float | None) -> str:
-    """A profile's age, and how far the node's live compute time is from its share in the running plan."""
-    note = f"profiled {_age(age_s)} ago"
+def live_note(age_s: float, live_ms: float | None, planned_ms: float | None, *, corrected: bool = False) -> str:
+    """A profile's age (``corrected``: from the relay's live times rather than timed by the profiler), and how far
+    the node's live compute time is from its share in the running plan."""
+    note = f"{'corrected from live times' if corrected else 'profiled'} {_age(age_s)} ago"
     if live_ms is not None and planned_ms:
         change = live_ms / planned_ms - 1
         note += f"; live {live_ms:.2f} ms per compute against {planned_ms:.2f} planned ({change:+.0%})"
     return note
+
+
+# A node whose round trip is this many times the nearest node's, and at least a ms more, is far: on one machine's
+# loopback round trips are tenths of a ms; a link with 10 ms each way adds 20 ms to every token the node serves.
+FAR_RATIO = 3.0
+FAR_MIN_MS = 1.0
+
+
+def link_note(node: NodeStatus, nodes: list[NodeStatus]) -> str:
+    """``; its link's round trip is 20.40 ms (the nearest node's: 0.20 ms) ...`` when a node's link stands out from
+    the others' (its probed round trip), else ``""``."""
+    rtts = [other.rtt_ms for other in nodes if other.rtt_ms is not None]
+    if node.rtt_ms is None or len(rtts) < 2:
+        return ""
+    nearest = min(rtts)
+    if node.rtt_ms < max(FAR_RATIO * nearest, nearest + FAR_MIN_MS):
+        return ""
+    return (f"; its link's round trip is {node.rtt_ms:.2f} ms (the nearest node's: {nearest:.2f} ms), paid on every "
+            "token it serves")
 
 
 def _age(seconds: float) -> str:

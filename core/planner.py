@@ -274,15 +274,17 @@ def _layer_work(model: ModelFacts) -> np.ndarray:
 
 def predict_seconds(plan: Plan, speeds: Sequence[NodeSpeed], model: ModelFacts) -> tuple[float, ...]:
     """Predicted time per token each node adds under ``plan`` (0 for a node without layers)."""
+    return tuple(node_share(speed, layers, model) for layers, speed in zip(plan.layers, speeds, strict=True))
+
+
+def node_share(speed: NodeSpeed, layers: tuple[int, int] | None, model: ModelFacts) -> float:
+    """Predicted time per token a node of ``speed`` adds holding ``layers`` (inclusive; None: none, 0 s), with
+    the output layer when they end at the model's last."""
+    if layers is None:
+        return 0.0
     work = _layer_work(model)
-    shares = []
-    for layers, speed in zip(plan.layers, speeds, strict=True):
-        if layers is None:
-            shares.append(0.0)
-            continue
-        share = speed.fixed_s + speed.per_layer_s * float(work[layers[1] + 1] - work[layers[0]])
-        shares.append(share + (speed.output_s if layers[1] == model.n_layers - 1 else 0.0))
-    return tuple(shares)
+    share = speed.fixed_s + speed.per_layer_s * float(work[layers[1] + 1] - work[layers[0]])
+    return share + (speed.output_s if layers[1] == model.n_layers - 1 else 0.0)
 
 
 def with_prediction(plan: Plan, speeds: Sequence[NodeSpeed], model: ModelFacts, overhead_s: float) -> Plan:

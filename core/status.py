@@ -94,6 +94,10 @@ class NodeStatus:
     output_ms: float | None = None    # measured cost per token of the output layer here
     predicted_ms: float | None = None  # this node's predicted share of a token under the current plan
     profiled_at: float | None = None  # when the profile behind those numbers was measured (epoch seconds)
+    profile_source: str = ""          # timed (by the profiler) | live (corrected from the relay's times)
+    rtt_ms: float | None = None       # a request's round trip to its worker (probed before each plan): its link
+    live_ms: float | None = None      # measured under the running plan: the median of its latest computes
+    drift: float | None = None        # live_ms against predicted_ms, as a fraction (+0.3: 30 % slower)
     computes: int = 0                 # graph computes the coordinator sent it (seen by the relay; none direct)
     recomputes: int = 0               # re-runs of a graph it already holds
     bytes_to: int = 0

@@ -42,6 +42,8 @@ PROFILES = {
     "unshaped": Profile(None, "", 0.0),
     "lan": Profile("1gbit", "1mb", 0.25),
     "wifi": Profile("100mbit", "64kb", 3.0),
+    # A node much further away than the others (another site over a VPN): what the planner must plan around.
+    "far": Profile("100mbit", "64kb", 10.0),
 }
 PREFIX = "gcb"  # namespaces: gcb<pid>-<bed>h (the head) and gcb<pid>-<bed>n<index>
 PROXY_PORT = 2222
@@ -100,11 +102,12 @@ def needs_bed() -> None:
 
 
 class NetBed:
-    """``nodes`` hosts on links of ``profile`` to a head; `prefix` runs a command in the head's namespace."""
+    """``nodes`` hosts on links of ``profile`` to a head (``links``: another profile for some, by index); `prefix`
+    runs a command in the head's namespace."""
 
-    def __init__(self, root: Path, nodes: int, profile: str = "unshaped") -> None:
+    def __init__(self, root: Path, nodes: int, profile: str = "unshaped", links: dict[int, str] | None = None) -> None:
         self.root = root
-        self.profile = PROFILES[profile]
+        self.links = [PROFILES[(links or {}).get(index, profile)] for index in range(nodes)]
         tag = f"{PREFIX}{os.getpid()}-{next(_beds)}"
         self.head = f"{tag}h"
         self.spaces = [f"{tag}n{index}" for index in range(nodes)]
@@ -147,24 +150,24 @@ class NetBed:
                                            (space, "eth0", self.node_address(index))):
                 _run("ip", "-n", where, "addr", "add", f"{address}/24", "dev", device)
                 _run("ip", "-n", where, "link", "set", device, "up")
-                if self.profile.rate:
-                    _run("tc", "-n", where, "qdisc", "add", "dev", device, "root", "tbf", "rate", self.profile.rate,
-                         "burst", self.profile.burst, "latency", "50ms")
+                if self.links[index].rate:
+                    _run("tc", "-n", where, "qdisc", "add", "dev", device, "root", "tbf", "rate",
+                         self.links[index].rate, "burst", self.links[index].burst, "latency", "50ms")
             _run("ip", "-n", space, "link", "set", "lo", "up")
             server = Sshd(self.root / f"sshd{index}", authorized, address=self.node_address(index), namespace=space)
             self.servers.append(server)
             host, port = self.node_address(index), server.port
-            if self.profile.delay_ms:
+            if self.links[index].delay_ms:
                 host, port = self.head_address(index), PROXY_PORT
-                self._proxy(host, port, server)
+                self._proxy(host, port, server, self.links[index].delay_ms)
             known.append(f"[{host}]:{port} {' '.join(server.host_public.split()[:2])}\n")
         (self.home / ".ssh" / "known_hosts").write_text("".join(known))
 
-    def _proxy(self, host: str, port: int, server: Sshd) -> None:
+    def _proxy(self, host: str, port: int, server: Sshd, delay_ms: float) -> None:
         """The link's delay: a proxy in the head's namespace in front of the node's sshd."""
         self.proxies.append(subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "tests.delay", host, str(port), server.address, str(server.port),
-             str(self.profile.delay_ms)], cwd=Path(__file__).resolve().parent.parent,
+             str(delay_ms)], cwd=Path(__file__).resolve().parent.parent,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 20
         while not listening_in(self.head, host, port):
@@ -174,7 +177,7 @@ class NetBed:
 
     def node_lines(self, index: int) -> list[str]:
         """Node ``index``'s inventory fields: reached over SSH across its link (through its delay, if any)."""
-        delayed = bool(self.profile.delay_ms)
+        delayed = bool(self.links[index].delay_ms)
         host = self.head_address(index) if delayed else self.node_address(index)
         port = PROXY_PORT if delayed else self.servers[index].port
         return [f"host: {host}", f"port: {port}", "user: root", f"identity: {self.identity}"]
@@ -202,10 +205,11 @@ class NetBed:
 
 
 @contextlib.contextmanager
-def netbed(root: Path, nodes: int, profile: str = "unshaped") -> Iterator[NetBed]:
+def netbed(root: Path, nodes: int, profile: str = "unshaped", links: dict[int, str] | None = None
+           ) -> Iterator[NetBed]:
     """A bed for the duration of a ``with``."""
     needs_bed()
-    bed = NetBed(root, nodes, profile)
+    bed = NetBed(root, nodes, profile, links)
     try:
         yield bed
     finally:

@@ -95,6 +95,16 @@ def test_compute_plan_explains_every_node() -> None:
     assert far.why == "no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer)"
     assert big.predicted_ms == pytest.approx(17.0)
     assert plan.predicted_total_s == pytest.approx(0.0175)  # with the coordinator's 0.5 ms
+    # Its link is why, where the probes timed the links: its round trip stands out from the nearest node's.
+    three.nodes[0].rtt_ms, three.nodes[3].rtt_ms = 0.2, 20.4
+    _, rows = plan_rows(three, inventory, MODEL, "compute")
+    assert rows[3].why == ("no layers: it would add more time than it saves (20.00 ms fixed + 2.00 ms/layer); its "
+                           "link's round trip is 20.40 ms (the nearest node's: 0.20 ms), paid on every token it serves")
+    assert "link" not in rows[0].why
+    three.nodes[3].rtt_ms = 0.5  # within a few times and a ms of each other: dispatch and scheduling, not a link
+    assert "link" not in plan_rows(three, inventory, MODEL, "compute")[1][3].why
+    three.nodes[0].rtt_ms, three.nodes[3].rtt_ms = 0.0, 1.2  # the nearest at nothing: a ms more is far
+    assert "round trip is 1.20 ms" in plan_rows(three, inventory, MODEL, "compute")[1][3].why
 
 
 def test_compute_plan_says_when_memory_decides() -> None:
@@ -140,11 +150,18 @@ def test_plan_shows_each_profiles_age_and_how_far_the_live_numbers_are_from_it()
     what the node's computes take now against the share the running plan gave it."""
     status = measured(snapshot(), {"big": (1.0, 2.0)})
     big = status.nodes[0]
-    big.profiled_at, big.compute_ms, big.predicted_ms = 1_000_000.0, 16.5, 21.3
+    # The controller's live time (median of the latest computes under the plan) and its drift from the prediction.
+    big.profiled_at, big.live_ms, big.drift, big.predicted_ms = 1_000_000.0, 16.5, 16.5 / 21.3 - 1, 21.3
+    big.compute_ms = 30.0  # the relay's moving average, over computes of earlier plans too: not the plan's live time
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 3 * 3600)
     assert rows[0].why.endswith("; profiled 3 h ago; live 16.50 ms per compute against 21.30 planned (-23%)")
     assert (rows[0].to_dict()["profile_age_s"], rows[0].to_dict()["live_ms"]) == (3 * 3600, 16.5)
-    big.compute_ms = None  # no request since the plan: the age alone
+    assert rows[0].to_dict()["drift"] == pytest.approx(16.5 / 21.3 - 1)
+    big.profile_source = "live"  # corrected from the relay's times, not timed by the profiler
+    _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
+    assert rows[0].why.endswith("; corrected from live times 90 s ago; live 16.50 ms per compute against 21.30 "
+                                "planned (-23%)")
+    big.profile_source, big.live_ms, big.drift = "timed", None, None  # too few computes under the plan: the age
     _, rows = plan_rows(status, INVENTORY, MODEL, "memory", now=1_000_000.0 + 90)
     assert rows[0].why.endswith("; profiled 90 s ago")
     assert rows[1].profile_age_s is None and "profiled" not in rows[1].why  # never measured

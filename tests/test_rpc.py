@@ -105,6 +105,7 @@ def test_probe_says_whether_the_worker_reports_failed_computes(features: int) ->
     async def check(port: int) -> None:
         info = await rpc.probe_worker("127.0.0.1", port, timeout=2)
         assert info == rpc.WorkerInfo(rpc.Version(7, 0, 0), (rpc.DeviceMemory(5, 9),), compute_status=bool(features))
+        assert info.rtt_s is not None  # DEVICE_COUNT's round trip, timed
 
     asyncio.run(_serve(handler, check))
 

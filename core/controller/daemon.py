@@ -1,15 +1,17 @@
 """The controller's wiring: one detached process per cluster that owns the workers, the plan and the coordinator.
 
 It builds the units and connects them by explicit hooks: the fleet (each node's life), the placement (profiles
-and plan), the coordinator's supervisor (its one owner, with the watchdog), the request runner (resume,
-cancel); and serves them as the Service the endpoints (control socket, OpenAI API, Prometheus) are written
-against. Shutdown stops them in order: nodes' lives, coordinator, workers, relays and connections.
+and plan), the adaptation (the plan against the relays' live times), the coordinator's supervisor (its one owner,
+with the watchdog), the request runner (resume, cancel); and serves them as the Service the endpoints (control
+socket, OpenAI API, Prometheus) are written against. Shutdown stops them in order: nodes' lives, coordinator,
+workers, relays and connections.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.controller.adapt import Adaptation, Traffic
 from core.controller.events import EventLog, Tasks
 from core.controller.fleet import Fleet, FleetHooks
 from core.controller.health import Probe
@@ -42,6 +45,7 @@ from core.state import Launch, StateDir, read_launch
 from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus
 
 GIL_SWITCH_S = 0.0002  # the GIL switch interval in the controller (see main)
+DRIFT_CHECK_S = 1.0    # how often the live times are checked against the plan (a median of a few dozen numbers)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class Controller:
         self.requests = RequestRunner(self.supervisor, self.log, bound, self._failed_nodes, inventory.api.queue,
                                       parallel=self.placement.slots or 1)
         self.started_at = time.time()
+        self.adaptation = Adaptation(self.fleet, self.placement, self.log, Traffic(
+            tokens=lambda: self.requests.completion_tokens, started_at=self.started_at,
+            reload_s=lambda: self.supervisor.load_s), replan=self._replan)
         self.metrics: MetricsServer | None = None
         self.api: ApiServer | None = None
         self.finished = asyncio.Event()
@@ -92,6 +99,7 @@ class Controller:
         """Begin every node's life and the coordinator's."""
         self.fleet.start()
         self.tasks.spawn(self.supervisor.run())
+        self.tasks.spawn(self._check_drift())
 
     # --- the Service -------------------------------------------------------------------------------
 
@@ -125,10 +133,12 @@ class Controller:
         """The current status of everything."""
         plan, profiles, runner = self.placement.plan, self.placement.profiles, self.requests
         admission = runner.admission
+        nodes = self.fleet.statuses()
+        self.adaptation.annotate(nodes)
         return ClusterStatus(
             cluster=self.inventory.cluster, model=self.model.name,
             coordinator=CoordinatorStatus(**vars(self.supervisor.status)),
-            nodes=self.fleet.statuses(), events=list(self.log.recent), n_layers=self.model.n_layers,
+            nodes=nodes, events=list(self.log.recent), n_layers=self.model.n_layers,
             tensor_split=list(plan.tensor_split) if plan else [],
             controller_pid=os.getpid(), started_at=self.started_at, requests_served=runner.served,
             requests_in_flight=runner.waiting, recoveries=runner.recoveries,
@@ -216,6 +226,26 @@ class Controller:
                 loads = self.supervisor.loads
                 self.supervisor.restart(f"{name} is back; re-planning to use it")
                 await self.supervisor.reloaded(loads)
+
+    async def _check_drift(self) -> None:
+        """Check the live times against the plan while the coordinator serves, until the controller stops."""
+        while not self.finished.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.finished.wait(), DRIFT_CHECK_S)
+            if self.supervisor.ready.is_set() and not self._stopping:
+                self.adaptation.check()
+
+    def _replan(self, reason: str) -> None:
+        """Reload with a fresh plan between requests: requests that arrive meanwhile wait for it, as they wait for
+        `profile`'s re-plan."""
+        async def replan() -> None:
+            async with self.requests.lock.alone():
+                if self.supervisor.ready.is_set():
+                    loads = self.supervisor.loads
+                    self.supervisor.restart(reason)
+                    await self.supervisor.reloaded(loads)
+
+        self.tasks.spawn(replan())
 
     def _slots_chosen(self, slots: int) -> None:
         """The first plan chose the slots (api.parallel: auto): let that many requests generate at once."""

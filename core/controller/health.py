@@ -122,6 +122,7 @@ class WorkerHealth:
                 await asyncio.sleep(0.2)
                 continue
             status.mem_total, status.mem_free = info.mem_total, info.mem_free
+            status.rtt_ms = None if info.rtt_s is None else info.rtt_s * 1000
             status.compute_status = info.compute_status
             self.log.record("worker-ready", f"RPC {info.version}, {len(info.devices)} device(s), "
                             f"{info.mem_free >> 20} MiB free of {info.mem_total >> 20} MiB"
@@ -138,7 +139,9 @@ class WorkerHealth:
             return False
         pid = runtime.status.pid
         try:
-            runtime.status.compute_status = (await self._probe(*runtime.endpoint)).compute_status
+            info = await self._probe(*runtime.endpoint)
+            runtime.status.compute_status = info.compute_status
+            runtime.status.rtt_ms = None if info.rtt_s is None else info.rtt_s * 1000
             return True
         except WorkerError as exc:
             self.fail(runtime, str(exc))

@@ -12,8 +12,8 @@ from pathlib import Path
 from core.controller.events import EventLog
 from core.controller.health import NodeRuntime
 from core.engine.coordinator import FLASH_ATTENTION
-from core.engine.profile import ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
-from core.errors import ProfileError
+from core.engine.profile import NodeProfile, ProfileCache, Profiles, Target, measure, model_fingerprint, profile_key
+from core.errors import PlanError, ProfileError
 from core.inventory import Inventory
 from core.model import ModelFacts
 from core.planner import NodeCapacity, Plan, assign_layers, choose_slots, slots_note, with_prediction
@@ -36,6 +36,10 @@ class Placement:
         self.plan: Plan | None = None
         self.profiles: Profiles | None = None
         self.remeasure = False  # set by `profile`: measure again before the next plan
+        self.keys: dict[str, str] = {}  # each measured node's profile cache key
+        self.capacities: list[NodeCapacity] = []  # what the plan was made on
+        # Each relayed node's count of timed computes when the plan was made: later ones ran under this plan.
+        self.since: dict[str, int] = {}
         # Requests decoded together: the inventory's number, or (auto) the first plan's choice, kept for the
         # controller's life: requests were admitted to that many, and every later plan reserves KV cells for as
         # many (one that no longer fits them fails as any plan that does not fit, rather than shrink them).
@@ -96,6 +100,7 @@ class Placement:
         """Each usable node's speed for this model (cached, or timed now); None when that fails."""
         capacities = self._capacities(usable)
         targets = [self._target(runtime, capacity) for runtime, capacity in zip(usable, capacities, strict=True)]
+        self.keys = {target.name: target.key for target in targets}
         refresh, self.remeasure = self.remeasure, False
         overhead_key = profile_key(["coordinator", platform.node(), 1], self._model_id)
         try:
@@ -126,7 +131,8 @@ class Placement:
                             speeds=profiles.speeds(self.model, names) if profiles else None)
         if profiles is not None and all(name in measured for name in plan.used):
             plan = with_prediction(plan, profiles.speeds(self.model, names), self.model, profiles.overhead_s)
-        self.plan, self.profiles = plan, profiles
+        self.plan, self.profiles, self.capacities = plan, profiles, capacities
+        self.since = {name: runtime.relay.stats.computes_timed for name, runtime in every.items() if runtime.relay}
         for name, runtime in every.items():
             status, speed = runtime.status, measured.get(name)
             status.layers = status.predicted_ms = None
@@ -135,6 +141,7 @@ class Placement:
             status.output_ms = speed.output_s * 1000 if speed else None
             profile = profiles.nodes.get(name) if profiles is not None else None
             status.profiled_at = profile.measured_at if profile is not None else None
+            status.profile_source = profile.source if profile is not None else ""
         for index, (name, layers) in enumerate(zip(plan.nodes, plan.layers, strict=True)):
             every[name].status.layers = layers
             if plan.predicted_s and layers:
@@ -144,6 +151,42 @@ class Placement:
             self.slots = plan.slots
             self._slots_chosen(plan.slots)
         return plan
+
+    def correct(self, name: str, profile: NodeProfile, every: Mapping[str, NodeRuntime]) -> None:
+        """Replace node ``name``'s profile (cached too, for later plans) and the running plan's predictions."""
+        if self.profiles is None or self.plan is None:
+            return
+        self.profiles.nodes[name] = profile
+        if name in self.keys:
+            self.cache.save(self.keys[name], profile)
+        speeds = self.profiles.speeds(self.model, list(self.plan.nodes))
+        self.plan = with_prediction(self.plan, speeds, self.model, self.profiles.overhead_s)
+        relay = every[name].relay
+        if relay is not None:
+            self.since[name] = relay.stats.computes_timed  # the old times led here: judge the new profile afresh
+        for index, plan_name in enumerate(self.plan.nodes):
+            status = every[plan_name].status
+            status.predicted_ms = self.plan.predicted_s[index] * 1000 if self.plan.layers[index] else None
+        speed = speeds[self.plan.nodes.index(name)] if name in self.plan.nodes else None
+        status = every[name].status
+        status.profiled_at, status.profile_source = profile.measured_at, profile.source
+        if speed is not None:
+            status.fixed_ms, status.layer_ms = speed.fixed_s * 1000, speed.per_layer_s * 1000
+            status.output_ms = speed.output_s * 1000
+        self.state.plan.write_text(json.dumps(self.plan.to_dict(), indent=2))
+
+    def best(self) -> Plan | None:
+        """The plan the compute strategy gives now on the same nodes, memory and slots, with its prediction; None
+        without profiles, under another strategy, or when nothing fits."""
+        if self.profiles is None or self.plan is None or self.inventory.strategy != "compute":
+            return None
+        speeds = self.profiles.speeds(self.model, list(self.plan.nodes))
+        try:
+            plan = choose_slots("compute", self.model, self.capacities, self.inventory.context, self.plan.slots,
+                                objective=self.inventory.objective, speeds=speeds)
+        except PlanError:
+            return None
+        return with_prediction(plan, speeds, self.model, self.profiles.overhead_s)
 
 
 def parse_layer_devices(log_text: str) -> dict[int, int]:

@@ -90,6 +90,7 @@ class CoordinatorSupervisor:
         self.stopping = False
         self._restart = asyncio.Event()   # set: start a fresh one (a new plan)
         self._load_rate: float | None = None  # bytes/s of the slowest model load so far (a cold one, usually)
+        self.load_s: float | None = None  # the latest model load's seconds: what a reload costs now
 
     # --- asked from outside ------------------------------------------------------------------------
 
@@ -247,7 +248,7 @@ class CoordinatorSupervisor:
             reason = message.message if isinstance(message, Failed) else message
             raise ClusterError(f"the coordinator could not load the model: {reason}",
                                f"see {self.state.coordinator_log}")
-        load_s = time.monotonic() - started
+        load_s = self.load_s = time.monotonic() - started
         rate = self.model.path.stat().st_size / max(load_s, 1e-3)
         self._load_rate = rate if self._load_rate is None else min(self._load_rate, rate)
         self.placement.check(_read_from(self.state.coordinator_log, log_start))

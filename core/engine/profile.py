@@ -47,6 +47,7 @@ class NodeProfile:
     measured_at: float
     samples: int             # timed tokens behind each depth
     output_s: float = 0.0    # the output layer, the logits it sends and their sampling, per token
+    source: str = "timed"    # timed (by the profiler) | live (corrected from the relay's times while serving)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the cache and `status --json`."""

@@ -23,6 +23,7 @@ import hashlib
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
@@ -48,6 +49,7 @@ MAX_FRAME = 64 << 30   # no single tensor upload is larger; a size beyond it is 
 # ~3). Larger requests (tensor uploads while loading) stream as they come.
 WHOLE_FRAME = 64 << 10
 SMOOTHING = 0.2        # weight of the newest compute time in the moving average
+RECENT_COMPUTES = 256  # compute times kept one by one
 
 T = TypeVar("T")
 
@@ -94,6 +96,8 @@ class RelayStats:
     # (a benchmark's decode), which the moving average only approximates.
     compute_ms_total: float = 0.0
     computes_timed: int = 0
+    # The latest compute times, for medians over a window (the moving average follows a single slow one).
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_COMPUTES))
     connected: bool = False
     connections: int = 0
     session: SessionStats | None = None  # the latest coordinator connection (None before the first)
@@ -241,6 +245,7 @@ class Link:
             self.compute_started = None
             stats.compute_ms_total += elapsed
             stats.computes_timed += 1
+            stats.recent.append(elapsed)
             stats.compute_ms = elapsed if stats.compute_ms is None else (
                 SMOOTHING * elapsed + (1 - SMOOTHING) * stats.compute_ms)
         if self.client is not None:

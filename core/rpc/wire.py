@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from core.errors import ConnectError, WorkerDown, WorkerError
 from core.version import Version
@@ -114,6 +115,8 @@ class WorkerInfo:
     version: Version
     devices: tuple[DeviceMemory, ...]
     compute_status: bool = False  # it reports failed graph computes instead of aborting (FEATURE_COMPUTE_STATUS)
+    # DEVICE_COUNT's round trip: the link's latency, with the worker's least work (a measurement, not identity)
+    rtt_s: float | None = field(default=None, compare=False)
 
     @property
     def mem_free(self) -> int:
@@ -167,7 +170,10 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Versi
                 raise WorkerError(f"worker speaks RPC protocol {hello.version}, the coordinator speaks {client}",
                                   "fix: rebuild the worker from the coordinator's llama.cpp (ggml-cluster does "
                                   "this unless the node sets build: {path: …})")
+            # Timed after HELLO, on an open connection: one request and its answer, nothing else on the way.
+            asked = time.perf_counter()
             count = decode_device_count(await _call(reader, writer, CMD_DEVICE_COUNT, b""))
+            rtt = time.perf_counter() - asked
             devices = []
             for index in range(count):
                 answer = await _call(reader, writer, CMD_GET_DEVICE_MEMORY, struct.pack("<I", index))
@@ -183,4 +189,4 @@ async def probe_worker(host: str, port: int, timeout: float = 5.0, client: Versi
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
-    return WorkerInfo(hello.version, tuple(devices), hello.compute_status)
+    return WorkerInfo(hello.version, tuple(devices), hello.compute_status, rtt)

@@ -1,0 +1,113 @@
+"""The plan over real links, and the plan learning from what the relays measure: nodes in network namespaces with
+their own sshd and links from the head (tests.netbed), one of them far away (a delaying proxy and a 100 Mbit link),
+driven through the real commands on the demo model."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from core.model import demo_model, read_model
+from core.nodes.build import cache_dir
+from core.planner import RESERVE_MIN_BYTES, device_bytes
+from tests.harness import Cluster
+from tests.netbed import NetBed, needs_bed, netbed
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+PROMPT = "The cluster said"
+SETTLE_S = 120  # how long a test waits for the controller to act on what it measured (a bound, not a measurement)
+
+
+def bed_cluster(root: Path, bed: NetBed, nodes: int, extra: dict[int, list[str]] | None = None) -> Cluster:
+    """The bed's nodes under the default strategy: compute, on each node's measured speed over its own link."""
+    return Cluster(root, nodes=nodes, ssh=[bed.node_lines(index) for index in range(nodes)], base_env=bed.env(),
+                   prefix=bed.prefix, strategy=None, defaults=[f"workdir: {root / 'nodes'}"], extra=extra)
+
+
+def plan_rows(cluster: Cluster) -> dict[str, dict]:
+    return {row["name"]: row for row in json.loads(cluster.cli("plan", "--json").stdout)["rows"]}
+
+
+def test_a_node_behind_a_far_link_gets_no_layers_and_plan_says_it_is_the_link() -> None:
+    """Three nodes, each with room for five of the eight layers, so the plan needs two of them; the first is far
+    away. Without its link it could as well be chosen as any other (they are the same machine)."""
+    needs_bed()
+    model = read_model(demo_model(cache_dir()))
+    five = device_bytes(model, (0, 4), 512 * 4, output=True, slots=4)  # 4 slots (auto) of the 512-token context
+    six = device_bytes(model, (0, 5), 512 * 4, output=True, slots=4)
+    cap = RESERVE_MIN_BYTES + (five + six) // 2
+    root = Path(tempfile.mkdtemp(prefix="gcl-", dir="/tmp"))
+    with netbed(root / "bed", 3, links={0: "far"}) as bed:
+        cluster = bed_cluster(root, bed, 3, extra={index: [f"memory: {cap}"] for index in range(3)})
+        try:
+            cluster.cli("up")
+            nodes = {node["name"]: node for node in cluster.status()["nodes"]}
+            assert nodes["n0"]["layers"] is None
+            held = sorted(layer for node in nodes.values() if node["layers"]
+                          for layer in range(node["layers"][0], node["layers"][1] + 1))
+            assert held == list(range(8))
+            far = plan_rows(cluster)["n0"]
+            assert far["layers"] is None
+            assert far["why"].startswith("no layers: it would add more time than it saves")
+            assert "its link's round trip is" in far["why"]
+            assert far["profile_age_s"] is not None and "profiled" in far["why"]
+            assert cluster.cli("plan").stdout.startswith("NODE")  # the same rows as a table
+        finally:
+            cluster.cli("down", check=False)
+    assert bed.leftovers() == []
+
+
+def test_a_profile_the_node_no_longer_matches_is_corrected_from_live_numbers_and_the_plan_moves() -> None:
+    """n1's link is far. Its cached profile says otherwise (taken before it moved, say): the plan gives it every
+    layer; what the relay measures corrects the profile, in the cache too, and the cluster re-plans onto n0."""
+    needs_bed()
+    root = Path(tempfile.mkdtemp(prefix="gcl-", dir="/tmp"))
+    with netbed(root / "bed", 2, links={1: "far"}) as bed:
+        cluster = bed_cluster(root, bed, 2)
+        try:
+            cluster.cli("up")
+            measured = {node["name"]: node for node in cluster.status()["nodes"]}
+            assert measured["n1"]["layers"] is None
+            cluster.cli("down")
+            # The far node's cached profile, made a hundred times faster and a day old.
+            path = next(path for path in (cache_dir() / "profiles").glob("*.json")
+                        if json.loads(path.read_text()).get("measured_at") == measured["n1"]["profiled_at"])
+            truth = json.loads(path.read_text())
+            claim = {**truth, "measured_at": truth["measured_at"] - 86400, **{
+                field: truth[field] / 100 for field in ("fixed_s", "seconds_per_byte", "output_s")}}
+            path.write_text(json.dumps(claim))
+            cluster.cli("up")
+            status = cluster.status()
+            assert [node["layers"] for node in status["nodes"]] == [None, [0, 7]]  # the wrong profile's plan
+            text = cluster.cli("run", PROMPT, "-n", "64").stdout
+            deadline = time.monotonic() + SETTLE_S
+            while not _moved(status) and time.monotonic() < deadline:
+                cluster.cli("run", PROMPT, "-n", "64")  # more computes under the plan, until it moves
+                status = cluster.status()
+            events = status["events"]
+            drift = [event for event in events if event["kind"] == "profile-drift" and event["node"] == "n1"]
+            assert drift and "profile corrected from the live numbers and cached" in drift[0]["message"]
+            replan = [event["message"] for event in events if event["kind"] == "replan"]
+            assert replan and replan[0].startswith("after correcting n1: re-planning: predicted gain")
+            assert _moved(status)
+            fixed = json.loads(path.read_text())
+            assert fixed["source"] == "live" and fixed["measured_at"] > claim["measured_at"] + 86400
+            assert fixed["fixed_s"] > 10 * claim["fixed_s"]  # back near what was measured over the link
+            # `plan` shows the corrected profile's age, and the text is what it was before the move.
+            row = plan_rows(cluster)["n1"]
+            assert row["profile_age_s"] < 3600 and "corrected from live times" in row["why"]
+            assert cluster.cli("run", PROMPT, "-n", "64").stdout == text
+        finally:
+            cluster.cli("down", check=False)
+    assert bed.leftovers() == []
+
+
+def _moved(status: dict) -> bool:
+    """The coordinator serves again, on n0 alone."""
+    return (status["coordinator"]["state"] == "ready"
+            and [node["layers"] for node in status["nodes"]] == [[0, 7], None])
