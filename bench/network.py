@@ -7,15 +7,23 @@ them, `down --keep-workers` leaves them), alternating which goes first each roun
 - ``node``: ggml-cluster over ssh, tokens sampled on the output node (`sampling: node`), `speculative: off`;
 - ``coordinator``: the same with `sampling: coordinator` (every logit of every token crosses the link);
 - ``ngram``: the defaults, `sampling: node` and `speculative: ngram` (drafts verified in the step), with the
-  drafted and kept tokens.
-Reported per arm: decode tok/s (first token to last, as `run` sees them), time to first token, bytes per token
-from and to each node (the relays' counters in `status`), and `up` (the first one on a bed starts the workers).
+  drafted and kept tokens;
+- llama.cpp as shipped, on the same workers and split (``--no-llama`` leaves these out): ``llama-bench`` and
+  ``llama-server`` `--rpc`, plain, with `--backend-sampling`, and with `--spec-type ngram-simple` (looking up 4
+  tokens and drafting up to 8: its defaults, 12 and 48, drafted nothing in these requests). They speak RPC
+  without SSH, so each node's worker is reached through a proxy in the node's namespace that holds every chunk
+  for the link's delay each way (as the proxy in front of its sshd does for ggml-cluster), across the same shaped
+  link. llama-server is asked greedy (`temperature: 0`) for the same prompt and tokens through /completion.
+Reported per arm: decode tok/s (first token to last, as `run` sees them; llama-server's `predicted_per_second`,
+llama-bench's `avg_ts`), time to first token (llama-server: its `prompt_ms`), bytes per token from and to each
+node (the relays' counters in `status`: ggml-cluster's arms only), and `up` (the first one on a bed starts the
+workers).
 With ``--faults``, then, on each bed, with the defaults: a `kill -9` of the worker of the 5th node (or the last,
 with fewer) and a cut of that node's SSH connections, each in the middle of a request: the time from the fault to
 the next token, and whether the text is the fault-free one.
 
     .venv/bin/python bench/network.py [--nodes 2] [--profiles unshaped,lan,wifi] [--rounds 2] [--tokens 64]
-                                      [--faults]
+                                      [--faults] [--no-llama]
 """
 
 from __future__ import annotations
@@ -33,15 +41,27 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from parity import equal_split, llama_tool
 
 from tests.harness import CLI, Cluster, free_port, pid_in
 from tests.netbed import PROFILES, NetBed, available
 from tests.realmodel import real_model
+from tests.sshd import listening_in
 
 # Each arm's inventory lines.
 ARMS = {"node": ["sampling: node", "speculative: off"], "coordinator": ["sampling: coordinator", "speculative: off"],
         "ngram": ["sampling: node", "speculative: ngram"]}
 NAMES = tuple(ARMS)
+# llama-server's arms: its flags.
+SERVERS = {"llama-server": [], "llama-server --backend-sampling": ["--backend-sampling"],
+           "llama-server --spec-type ngram-simple": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                                                     "--spec-ngram-simple-size-m", "8"]}
+LLAMA = ("llama-bench", *SERVERS)
+RPC_PROXY_PORT = 50100  # in each node's namespace: its worker across the link, for llama.cpp's tools
+SERVER_PORT = 8090      # llama-server's, in the head's namespace
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -68,7 +88,7 @@ def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
             "from": [(now["bytes_from"] - then["bytes_from"]) / generated for then, now in pairs],
             "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs],
             "drafted": end["tokens_drafted"] - start["tokens_drafted"],
-            "kept": end["tokens_accepted"] - start["tokens_accepted"]}
+            "kept": end["tokens_accepted"] - start["tokens_accepted"], "text": result["text"]}
 
 
 def faulted(cluster: Cluster, fault: object, tokens: int) -> tuple[float | None, str]:
@@ -98,17 +118,96 @@ def field_faults(bed: NetBed, cluster: Cluster, workdir: Path, tokens: int) -> N
               f"{'the same as without the fault' if text == clean else 'DIFFERENT from the fault-free text'}")
 
 
+def rpc_endpoints(bed: NetBed, ports: list[int]) -> list[str]:
+    """Each node's worker reached from the head without SSH: a proxy in the node's namespace, on its address,
+    holding every chunk for the link's delay each way (the bed puts the delay in front of each sshd alike)."""
+    endpoints = []
+    for index, (space, port) in enumerate(zip(bed.spaces, ports, strict=True)):
+        address = bed.node_address(index)
+        bed.proxies.append(subprocess.Popen(  # the bed ends them with its namespaces
+            ["ip", "netns", "exec", space, sys.executable, "-m", "tests.delay", address, str(RPC_PROXY_PORT),
+             "127.0.0.1", str(port), str(bed.links[index].delay_ms)], cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 20
+        while not listening_in(bed.head, address, RPC_PROXY_PORT):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the RPC proxy of node {index} did not start")
+            time.sleep(0.1)
+        endpoints.append(f"{address}:{RPC_PROXY_PORT}")
+    return endpoints
+
+
+def llama_bench_run(bed: NetBed, model: Path, endpoints: list[str], split: str, tokens: int) -> dict[str, object]:
+    """llama-bench's decode tok/s over the workers."""
+    command = [*bed.prefix, str(llama_tool("llama-bench")), "-m", str(model), "--rpc", ",".join(endpoints),
+               "-ngl", "99", "-sm", "layer", "-ts", split, "-p", "0", "-n", str(tokens), "-r", "1", "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    decode = next(row["avg_ts"] for row in json.loads(result.stdout) if row["n_gen"] > 0)
+    return {"decode": float(decode), "first": None, "drafted": None, "kept": None, "text": None}
+
+
+def head_request(bed: NetBed, path: str, body: dict[str, object] | None = None) -> dict[str, object] | None:
+    """A request to llama-server from the head's namespace: its JSON answer, or None if it does not answer 200."""
+    command = [*bed.prefix, "curl", "-s", "-f", "--max-time", "600", f"http://127.0.0.1:{SERVER_PORT}{path}"]
+    if body is not None:
+        command += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def llama_server_run(bed: NetBed, model: Path, endpoints: list[str], split: str, flags: list[str], tokens: int,
+                     log: Path) -> dict[str, object]:
+    """llama-server over the workers with ``flags``: one warm-up and one greedy request through /completion."""
+    with log.open("ab") as output:
+        server = subprocess.Popen([*bed.prefix, str(llama_tool("llama-server")), "-m", str(model), "--rpc",
+                                   ",".join(endpoints), "-ngl", "99", "-sm", "layer", "-ts", split, "-c", "1024",
+                                   "-np", "1", "--host", "127.0.0.1", "--port", str(SERVER_PORT), *flags],
+                                  stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while head_request(bed, "/health") is None:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server {' '.join(flags)} did not start: see {log}")
+            time.sleep(0.5)
+        ask = {"temperature": 0, "cache_prompt": False}
+        head_request(bed, "/completion", {"prompt": "Hello", "n_predict": 4, **ask})
+        answer = head_request(bed, "/completion", {"prompt": PROMPT, "n_predict": tokens, **ask})
+        if answer is None:
+            raise RuntimeError(f"llama-server {' '.join(flags)} did not answer: see {log}")
+        timings: dict[str, float] = answer["timings"]  # type: ignore[assignment]
+        return {"decode": timings["predicted_per_second"], "first": timings["prompt_ms"] / 1000,
+                "drafted": timings.get("draft_n", 0), "kept": timings.get("draft_n_accepted", 0),
+                "text": answer["content"]}
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str, list[dict[str, object]]]:
     root = Path(tempfile.mkdtemp(prefix="bench-net-", dir="/tmp"))
     bed = NetBed(root / "bed", args.nodes, profile)
     ports = [free_port() for _ in range(args.nodes)]
     clusters = {arm: arm_cluster(bed, root, arm, args.nodes, ports, model) for arm in ARMS}
-    runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in NAMES}
+    names = NAMES + (LLAMA if args.llama else ())
+    runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in names}
+    split = "/".join(f"{share:g}" for share in equal_split(model, 1024, args.nodes).tensor_split)
     ups: list[float] = []
     try:
+        started = time.monotonic()
+        clusters[NAMES[0]].cli("up")  # starts the workers that every arm then uses
+        ups.append(time.monotonic() - started)
+        clusters[NAMES[0]].cli("down", "--keep-workers")
+        endpoints = rpc_endpoints(bed, ports) if args.llama else []
         for round_ in range(args.rounds):
-            shift = round_ % len(NAMES)
-            for arm in NAMES[shift:] + NAMES[:shift]:
+            shift = round_ % len(names)
+            for arm in names[shift:] + names[:shift]:
+                if arm == "llama-bench":
+                    runs[arm].append(llama_bench_run(bed, model, endpoints, split, args.tokens))
+                    continue
+                if arm in SERVERS:
+                    runs[arm].append(llama_server_run(bed, model, endpoints, split, SERVERS[arm], args.tokens,
+                                                      root.parent / f"{root.name}-llama-server.log"))
+                    continue
                 cluster = clusters[arm]
                 started = time.monotonic()
                 cluster.cli("up")
@@ -137,6 +236,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--faults", action="store_true", help="then a kill -9 and an SSH cut on each bed")
+    parser.add_argument("--no-llama", dest="llama", action="store_false",
+                        help="leave out llama-bench's and llama-server's arms")
     args = parser.parse_args()
     reason = available()
     if reason:
@@ -149,25 +250,39 @@ def main() -> int:
     for profile, runs in results.items():
         shape = PROFILES[profile]
         link = f"{shape.rate or 'unshaped'}, {shape.delay_ms:g} ms each way"
-        for arm in NAMES:
-            decode = statistics.median(float(run["decode"]) for run in runs[arm])  # type: ignore[arg-type]
+        for arm, measured in runs.items():
+            decode = statistics.median(float(run["decode"]) for run in measured)  # type: ignore[arg-type]
             rates[profile, arm] = decode
-            first = statistics.median(float(run["first"]) for run in runs[arm])  # type: ignore[arg-type]
-            sent = [statistics.median(run["from"][node] for run in runs[arm])  # type: ignore[index]
-                    for node in range(args.nodes)]
-            received = [statistics.median(run["to"][node] for run in runs[arm])  # type: ignore[index]
+            line = f"{profile:<9} ({link:<26}) {arm:<38} decode {decode:6.1f} tok/s"
+            if measured[-1]["first"] is not None:
+                first = statistics.median(float(run["first"]) for run in measured)  # type: ignore[arg-type]
+                line += f"  first token {first * 1000:6.0f} ms"
+            if "from" in measured[-1]:
+                sent = [statistics.median(run["from"][node] for run in measured)  # type: ignore[index]
                         for node in range(args.nodes)]
-            print(f"{profile:<9} ({link:<26}) sampling {arm:<11} decode {decode:6.1f} tok/s  first token "
-                  f"{first * 1000:6.0f} ms  B/token from nodes {' / '.join(f'{value:,.0f}' for value in sent)}  "
-                  f"to nodes {' / '.join(f'{value:,.0f}' for value in received)}  drafted / kept "
-                  f"{runs[arm][-1]['drafted']} / {runs[arm][-1]['kept']}")
+                received = [statistics.median(run["to"][node] for run in measured)  # type: ignore[index]
+                            for node in range(args.nodes)]
+                line += (f"  B/token from nodes {' / '.join(f'{value:,.0f}' for value in sent)}  "
+                         f"to nodes {' / '.join(f'{value:,.0f}' for value in received)}")
+            if measured[-1]["drafted"] is not None:
+                line += f"  drafted / kept {measured[-1]['drafted']} / {measured[-1]['kept']}"
+            print(line)
         print(f"{profile:<9} node / coordinator = {rates[profile, 'node'] / rates[profile, 'coordinator']:.2f}, "
               f"ngram / node = {rates[profile, 'ngram'] / rates[profile, 'node']:.2f}")
+        if args.llama:
+            server = "llama-server --backend-sampling"
+            node, bench = rates[profile, "node"], rates[profile, "llama-bench"]
+            print(f"{profile:<9} ggml-cluster node / llama-bench = {node / bench:.2f}, defaults (ngram) / {server} = "
+                  f"{rates[profile, 'ngram'] / rates[profile, server]:.2f} (goal >= 1.0), node / {server} = "
+                  f"{node / rates[profile, server]:.2f}")
+            texts = {runs[arm][-1]["text"] for arm in (*NAMES, *SERVERS)}
+            print(f"{profile:<9} greedy texts of ggml-cluster's and llama-server's arms: "
+                  f"{'all the same' if len(texts) == 1 else f'{len(texts)} different'}")
     if "unshaped" in results:
         for profile in results:
             if profile != "unshaped":
-                print(f"{profile} / unshaped, sampling node: "
-                      f"{rates[profile, 'node'] / rates['unshaped', 'node']:.2f} (goal at 100 Mbit >= 0.8)")
+                print(f"{profile} / unshaped: sampling node {rates[profile, 'node'] / rates['unshaped', 'node']:.2f}, "
+                      f"defaults {rates[profile, 'ngram'] / rates['unshaped', 'ngram']:.2f} (goal at 100 Mbit >= 0.8)")
     return 0
 
 

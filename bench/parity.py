@@ -78,17 +78,17 @@ def model_argument(text: str) -> Path:
     return path
 
 
-def equal_split(model: Path, context: int = CONTEXT) -> Plan:
-    """The `equal` strategy's plan of ``model`` over two nodes: what the cluster arms run and llama.cpp's own
-    benchmark (llama-bench, llama-batched-bench) is given.
+def equal_split(model: Path, context: int = CONTEXT, nodes: int = 2) -> Plan:
+    """The `equal` strategy's plan of ``model`` over ``nodes`` nodes: what the cluster arms run and llama.cpp's own
+    benchmarks (llama-bench, llama-batched-bench, llama-server) are given.
 
     The nodes are on this machine, so memory is no limit here; the cluster checks its own when it plans.
     """
     facts = read_model(model)
-    if facts.n_layers < 2:
-        raise SystemExit(f"--model {model}: {facts.n_layers} layer, but the arms split the model over two workers "
-                         "(fix: a model with at least 2 layers)")
-    return plan_equal(facts, [NodeCapacity(f"n{index}", 1 << 62) for index in range(2)], context)
+    if facts.n_layers < nodes:
+        raise SystemExit(f"--model {model}: {facts.n_layers} layer(s), but the arms split the model over {nodes} "
+                         f"workers (fix: a model with at least {nodes} layers)")
+    return plan_equal(facts, [NodeCapacity(f"n{index}", 1 << 62) for index in range(nodes)], context)
 
 
 def split_text(plan: Plan) -> str:
@@ -98,19 +98,20 @@ def split_text(plan: Plan) -> str:
     return f"{counts} (layers {ranges} + output)"
 
 
-def llama_bench() -> Path:
-    """llama-bench from the vendored llama.cpp the workers are built from (cached)."""
+def llama_tool(target: str = "llama-bench") -> Path:
+    """A llama.cpp tool (llama-bench, llama-server) built from the vendored llama.cpp the workers are built from,
+    as shipped (no patches: llama.cpp as its users run it), cached."""
     version = pinned_version()
     build = cache_dir() / "build" / f"bench-llama-{version}"
-    binary = build / "bin" / "llama-bench"
+    binary = build / "bin" / target
     if not binary.exists():
         source = source_tree(version, lambda message, _: print(message))
-        print("building llama-bench (once; about 6 minutes on 2 cores)")
+        print(f"building {target} (once; about 6 minutes on 2 cores, 10 for llama-server)")
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DGGML_RPC=ON",
                         "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True,
+                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True,
                        stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "--parallel",
+        subprocess.run(["cmake", "--build", str(build), "--target", target, "--parallel",
                         str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
     return binary
 
@@ -268,7 +269,7 @@ def main() -> int:
     load_rounds = max(2, args.rounds // 2)
     if args.loads_from:
         return loads_from(args.loads_from, load_model, load_rounds)
-    binary = llama_bench()
+    binary = llama_tool()
     model = args.model or big_model(cache_dir() / "models" / "bench-8x1024.gguf")
     split = equal_split(model)
     root = Path(tempfile.mkdtemp(prefix="bench-parity-", dir="/tmp"))
