@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Cluster
+from tests.harness import Cluster, learned
 
 BOARD = Path(__file__).resolve().parent.parent / "grafana" / "ggml-cluster.json"
 METRIC = re.compile(r"\bggml_cluster_[a-z0-9_]+")
@@ -88,18 +88,6 @@ def scrape(cluster: Cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 def served(cluster: Cluster) -> set[str]:
     """The names of the samples /metrics serves now."""
     return {name for name, _ in scrape(cluster)}
-
-
-def learned(cluster: Cluster) -> dict[str, Any]:
-    """A snapshot in which a node has a live time under the running plan: requests until one has (a node's first
-    64 computes may correct its profile, which starts the count again under the corrected plan)."""
-    for _ in range(4):
-        cluster.cli("run", "The cluster", "-n", "80")  # 80 computes on each node that holds layers
-        time.sleep(2.5)  # past the controller's next drift check (every second), so the numbers stand still
-        status = cluster.status()
-        if any(node["live_ms"] is not None for node in status["nodes"]):
-            return status
-    raise AssertionError(f"no node got a live time under the plan in four requests: {status['nodes']}")
 
 
 @pytest.mark.integration
