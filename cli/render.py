@@ -182,6 +182,7 @@ def profile(node: NodeStatus, now: float) -> str:
     profiler) or ``live 3 min`` (corrected from the relay's live times); ``-`` for a node never profiled."""
     if node.profiled_at is None:
         return "-"
+    # never negative, should the clock have stepped back since the profile was stamped
     return f"{node.profile_source or 'timed'} {age(max(0.0, now - node.profiled_at))}"
 
 
