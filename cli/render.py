@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.client import NodeCheck
-from core.plan_explained import PlanRow
+from core.plan_explained import PlanRow, age, percent
 from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
 
 STATE_STYLE = {
@@ -151,17 +151,42 @@ def header(status: ClusterStatus, now: float) -> list[Text]:
 @dataclass(frozen=True)
 class _Column:
     title: str
-    cell: Callable[[NodeStatus], str]
+    cell: Callable[[NodeStatus, float], str]  # the node, and the time the screen is drawn at
     right: bool = False   # numbers line up on the right
-    optional: bool = False  # shown only where the width leaves room
+    drop: int = 0         # where the width leaves no room, dropped in this order (1 first); 0: always shown
+    sparse: bool = False  # left out while no node has a value for it ("-" on every row)
 
 
-def _compute(node: NodeStatus) -> str:
+def _compute(node: NodeStatus, now: float) -> str:
     # ms/token as the relay measures it; only meaningful for a node that holds layers.
     return f"{node.compute_ms:.2f}" if node.compute_ms is not None and node.layers else "-"
 
 
-def _compute_failures(node: NodeStatus) -> str:
+def _planned(node: NodeStatus, now: float) -> str:
+    # The running plan's share of a token for the node (a node without layers has none).
+    return f"{node.predicted_ms:.2f}" if node.predicted_ms is not None and node.layers else "-"
+
+
+def _live(node: NodeStatus, now: float) -> str:
+    # The median of its latest computes under the running plan ("-" until there are enough).
+    return f"{node.live_ms:.2f}" if node.live_ms is not None and node.layers else "-"
+
+
+def _drift(node: NodeStatus, now: float) -> str:
+    # The live time's departure from the plan's share, as `plan` gives it.
+    return percent(node.drift) if node.drift is not None and node.layers else "-"
+
+
+def profile(node: NodeStatus, now: float) -> str:
+    """How the node's speed profile was taken and how long ago, in `plan`'s words: ``timed 2 h`` (by the
+    profiler) or ``live 3 min`` (corrected from the relay's live times); ``-`` for a node never profiled."""
+    if node.profiled_at is None:
+        return "-"
+    # never negative, should the clock have stepped back since the profile was stamped
+    return f"{node.profile_source or 'timed'} {age(max(0.0, now - node.profiled_at))}"
+
+
+def _compute_failures(node: NodeStatus, now: float) -> str:
     # Failed computes the worker reported and the coordinator retried in place; "-": a stock worker, which aborts
     # instead of reporting one (or one not probed yet).
     return str(node.compute_failures) if node.compute_status or node.compute_failures else "-"
@@ -179,35 +204,40 @@ def compute_failure(node: NodeStatus) -> str:
     return f"{count} failed compute{'s' if count != 1 else ''} retried in place; last{when} {last}"
 
 
+# What the plan learns from the relay (PLAN, LIVE, DRIFT, PROFILE) is dropped first on a narrow screen, then CFAIL,
+# then LOAD: what a node holds, its state and its measured time per token always stay.
 NODE_COLUMNS = (
-    _Column("NODE", lambda node: node.name),
-    _Column("BACKEND", lambda node: f"{node.arch or '?'}/{node.backend or '?'}"),
-    _Column("STATE", lambda node: str(node.state)),
-    _Column("LAYERS", layers),
-    _Column("MEMORY", memory),
-    _Column("LOAD", load, right=True, optional=True),
+    _Column("NODE", lambda node, now: node.name),
+    _Column("BACKEND", lambda node, now: f"{node.arch or '?'}/{node.backend or '?'}"),
+    _Column("STATE", lambda node, now: str(node.state)),
+    _Column("LAYERS", lambda node, now: layers(node)),
+    _Column("MEMORY", lambda node, now: memory(node)),
+    _Column("LOAD", lambda node, now: load(node), right=True, drop=6),
     _Column("MS/TOK", _compute, right=True),
-    _Column("COMPUTES", lambda node: "-" if node.link == "direct" else str(node.computes + node.recomputes),
+    _Column("PLAN", _planned, right=True, drop=4, sparse=True),
+    _Column("LIVE", _live, right=True, drop=3, sparse=True),
+    _Column("DRIFT", _drift, right=True, drop=2, sparse=True),
+    _Column("PROFILE", profile, drop=1, sparse=True),
+    _Column("COMPUTES", lambda node, now: "-" if node.link == "direct" else str(node.computes + node.recomputes),
             right=True),
-    _Column("CFAIL", _compute_failures, right=True, optional=True),
-    _Column("RESTARTS", lambda node: str(node.restarts), right=True),
+    _Column("CFAIL", _compute_failures, right=True, drop=5),
+    _Column("RESTARTS", lambda node, now: str(node.restarts), right=True),
 )
 
 
 def node_lines(status: ClusterStatus, width: int, now: float) -> list[Text]:
     """The node table: a row per node, and under a row the node's last status when it has one.
 
-    Optional columns are dropped until the rest fit ``width``; the status line gets the whole width, so
-    an error is readable at 80 columns.
+    Columns that may go are dropped, in their ``drop`` order, until the rest fit ``width``; the status line gets
+    the whole width, so an error is readable at 80 columns.
     """
-    cells = {column: [column.cell(node) for node in status.nodes] for column in NODE_COLUMNS}
+    cells = {column: [column.cell(node, now) for node in status.nodes] for column in NODE_COLUMNS}
     widths = {column: max([len(column.title), *(len(cell) for cell in cells[column])]) for column in NODE_COLUMNS}
-    shown = list(NODE_COLUMNS)
-    for column in reversed(NODE_COLUMNS):
+    shown = [column for column in NODE_COLUMNS if not column.sparse or any(cell != "-" for cell in cells[column])]
+    for column in sorted((column for column in shown if column.drop), key=lambda column: column.drop):
         if sum(widths[each] for each in shown) + len(shown) - 1 <= width:
             break
-        if column.optional:
-            shown.remove(column)
+        shown.remove(column)
 
     def line(values: list[str], styles: dict[int, str] | None = None) -> Text:
         text = Text(no_wrap=True, overflow="ellipsis")

@@ -97,11 +97,16 @@ def plan_rows(snapshot: ClusterStatus, inventory: Inventory, model: ModelFacts, 
 def live_note(age_s: float, live_ms: float | None, planned_ms: float | None, *, corrected: bool = False) -> str:
     """A profile's age (``corrected``: from the relay's live times rather than timed by the profiler), and how far
     the node's live compute time is from its share in the running plan."""
-    note = f"{'corrected from live times' if corrected else 'profiled'} {_age(age_s)} ago"
+    note = f"{'corrected from live times' if corrected else 'profiled'} {age(age_s)} ago"
     if live_ms is not None and planned_ms:
-        change = live_ms / planned_ms - 1
-        note += f"; live {live_ms:.2f} ms per compute against {planned_ms:.2f} planned ({change:+.0%})"
+        drift = percent(live_ms / planned_ms - 1)
+        note += f"; live {live_ms:.2f} ms per compute against {planned_ms:.2f} planned ({drift})"
     return note
+
+
+def percent(drift: float) -> str:
+    """A departure from the plan as `plan` and the dashboards show it: ``+12%``, ``-86%``."""
+    return f"{drift:+.0%}"
 
 
 # A node whose round trip is this many times the nearest node's, and at least a ms more, is far: on one machine's
@@ -123,7 +128,8 @@ def link_note(node: NodeStatus, nodes: list[NodeStatus]) -> str:
             "token it serves")
 
 
-def _age(seconds: float) -> str:
+def age(seconds: float) -> str:
+    """An age as `plan` says it: ``45 s``, ``3 min``, ``2 h``, ``3 days``."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:

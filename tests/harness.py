@@ -187,6 +187,18 @@ def big_model(path: Path | None = None) -> Path:
     return path
 
 
+def learned(cluster: Cluster) -> dict[str, Any]:
+    """A snapshot in which a node has a live time under the running plan: requests until one has (under the compute
+    strategy a node's first 64 computes may correct its profile, which starts the count again)."""
+    for _ in range(4):
+        cluster.cli("run", "The cluster", "-n", "80")  # 80 computes on each node that holds layers
+        time.sleep(2.5)  # past the controller's next drift check (every second), so the numbers stand still
+        status: dict[str, Any] = cluster.status()
+        if any(node["live_ms"] is not None for node in status["nodes"]):
+            return status
+    raise AssertionError(f"no node got a live time under the plan in four requests: {status['nodes']}")
+
+
 def running_cluster(prefix: str, nodes: int, **options: Any) -> Iterator[Cluster]:
     """A local cluster of ``nodes`` workers on the demo model (``options``: Cluster's), up for as long as the
     generator runs."""

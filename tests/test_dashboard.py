@@ -150,8 +150,9 @@ def test_run_shows_computes_load_and_memory_per_node(cluster3: Cluster) -> None:
 
 
 def test_prometheus_endpoint_has_per_node_series(cluster3: Cluster) -> None:
-    cluster3.cli("run", PROMPT, "-n", "8")
-    endpoint = cluster3.status()["metrics_endpoint"]
+    cluster3.cli("run", PROMPT, "-n", "72")  # at least 64 computes on each node under the plan: its live time
+    status = cluster3.status()
+    endpoint = status["metrics_endpoint"]
     host, _, port = endpoint.rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
@@ -166,5 +167,12 @@ def test_prometheus_endpoint_has_per_node_series(cluster3: Cluster) -> None:
         assert samples[("ggml_cluster_node_layers", labels)] > 0
         assert samples[("ggml_cluster_node_resident_bytes", labels)] > 0
         assert samples[("ggml_cluster_node_state", (*labels, ("state", "ready")))] == 1
+    for node in status["nodes"]:  # the run is over: the live times stand still between the snapshot and the scrape
+        labels = (("cluster", cluster), ("node", node["name"]))
+        assert samples[("ggml_cluster_node_live_compute_seconds", labels)] == pytest.approx(node["live_ms"] / 1000)
+        assert samples[("ggml_cluster_node_rtt_seconds", labels)] == pytest.approx(node["rtt_ms"] / 1000)
+        # The memory strategy measures no profile: nothing is predicted, so there is no drift and no profile age.
+        for absent in ("predicted_compute_seconds", "drift_ratio", "profile_age_seconds"):
+            assert (f"ggml_cluster_node_{absent}", labels) not in samples
     assert samples[("ggml_cluster_requests_total", (("cluster", cluster),))] >= 1
     assert samples[("ggml_cluster_coordinator_state", (("cluster", cluster), ("state", "ready")))] == 1

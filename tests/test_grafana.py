@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Cluster
+from tests.harness import Cluster, learned
 
 BOARD = Path(__file__).resolve().parent.parent / "grafana" / "ggml-cluster.json"
 METRIC = re.compile(r"\bggml_cluster_[a-z0-9_]+")
@@ -55,8 +55,12 @@ def test_it_shows_what_the_issue_asks_for() -> None:
     names = metric_names(board())
     for wanted in ("ggml_cluster_node_compute_seconds", "ggml_cluster_aggregate_decode_tokens_per_second",
                    "ggml_cluster_slots", "ggml_cluster_slots_busy", "ggml_cluster_queue_length",
-                   "ggml_cluster_node_restarts_total", "ggml_cluster_node_compute_failures_total"):
+                   "ggml_cluster_node_restarts_total", "ggml_cluster_node_compute_failures_total",
+                   "ggml_cluster_node_live_compute_seconds", "ggml_cluster_node_predicted_compute_seconds",
+                   "ggml_cluster_node_drift_ratio"):
         assert wanted in names
+    live = next(panel for panel in board()["panels"] if panel["title"].startswith("Live vs planned"))
+    assert [target["legendFormat"] for target in live["targets"]] == ["{{node}} live", "{{node}} planned"]
 
 
 # --- a running cluster ---------------------------------------------------------------------------------------
@@ -73,17 +77,51 @@ def cluster() -> Iterator[Cluster]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def served(cluster: Cluster) -> set[str]:
-    """The names of the samples /metrics serves now (counters with their _total)."""
+def scrape(cluster: Cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What /metrics serves now: each sample's value by its name (counters with their _total) and sorted labels."""
     with urllib.request.urlopen(f"http://{cluster.status()['metrics_endpoint']}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def served(cluster: Cluster) -> set[str]:
+    """The names of the samples /metrics serves now."""
+    return {name for name, _ in scrape(cluster)}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_each_nodes_live_time_drift_link_and_profile_are_served_as_status_has_them(cluster: Cluster) -> None:
+    status = learned(cluster)
+    samples = scrape(cluster)
+    scraped_at = time.time()
+    gauges = {"live_compute_seconds": ("live_ms", 1e-3), "predicted_compute_seconds": ("predicted_ms", 1e-3),
+              "drift_ratio": ("drift", 1.0), "rtt_seconds": ("rtt_ms", 1e-3)}
+    seen = set()
+    for node in status["nodes"]:
+        labels = (("cluster", status["cluster"]), ("node", node["name"]))
+        for gauge, (field, scale) in gauges.items():
+            value = samples.get((f"ggml_cluster_node_{gauge}", labels))
+            if node[field] is None:
+                assert value is None, (gauge, node["name"])  # absent, not zero
+            else:
+                assert value == pytest.approx(node[field] * scale, rel=1e-9), (gauge, node["name"])
+                seen.add(gauge)
+        age = samples[("ggml_cluster_node_profile_age_seconds", labels)]
+        assert scraped_at - node["profiled_at"] - 30 <= age <= scraped_at - node["profiled_at"]
+        for source in ("timed", "live"):
+            wanted = float(source == node["profile_source"])
+            assert samples[("ggml_cluster_node_profile_source", (*labels, ("source", source)))] == wanted
+    # The compute strategy profiles every node and probes its link; a node that holds layers has a live time and
+    # a prediction, so a drift.
+    assert seen == set(gauges), seen
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_every_metric_the_dashboard_queries_is_served_by_a_running_cluster(cluster: Cluster) -> None:
-    cluster.cli("run", "The cluster", "-n", "32")  # the rates and the nodes' compute times need a request
+    learned(cluster)  # the rates, the nodes' compute and live times need requests
     wanted = metric_names(board())
     deadline = time.monotonic() + 20  # a worker's CPU use needs two samples, 2 s apart
     while (missing := wanted - served(cluster)) and time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from core.status import ClusterStatus, CoordinatorState, CoordinatorStatus, Node
 from tests.harness import FIXTURES
 
 GIB = 1 << 30
+NOW = 1_800_000_600.0
 
 
 def fixture(name: str) -> str:
@@ -103,7 +104,8 @@ def snapshot() -> ClusterStatus:
         nodes=[NodeStatus(name="a", host="localhost", kind="local", rpc_port=1, state=NodeState.READY,
                           layers=(0, 4), mem_total=24 * GIB, computes=7, bytes_to=1000, compute_ms=2.5,
                           cpu_percent=97.0, rss=GIB, gpu_percent=40.0, gpu_mem_used=2 * GIB, compute_status=True,
-                          compute_failures=3, compute_retries=2, compute_retry_ms_total=8.5),
+                          compute_failures=3, compute_retries=2, compute_retry_ms_total=8.5, predicted_ms=2.0,
+                          live_ms=2.5, drift=0.25, rtt_ms=0.4, profiled_at=NOW - 180, profile_source="live"),
                NodeStatus(name="b", host="localhost", kind="local", rpc_port=2, state=NodeState.FAILED,
                           restarts=5, link="direct")],
         started_at=1_800_000_000.0, requests_served=3, requests_in_flight=3, decode_tokens_per_s=12.5,
@@ -117,7 +119,7 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
 
     class Fixed:
         def collect(self):
-            return families(snapshot())
+            return families(snapshot(), now=NOW)
 
     registry.register(Fixed())  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
@@ -140,6 +142,18 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
     assert samples[("ggml_cluster_node_compute_retries_total", a)] == 2
     assert samples[("ggml_cluster_node_compute_retry_seconds_total", a)] == 0.0085
     assert ("ggml_cluster_node_compute_failures_total", b) not in samples  # a stock worker reports none
+    # What the controller learns from the relay: the live time against the plan, the link, the profile.
+    assert samples[("ggml_cluster_node_predicted_compute_seconds", a)] == 0.002
+    assert samples[("ggml_cluster_node_live_compute_seconds", a)] == 0.0025
+    assert samples[("ggml_cluster_node_drift_ratio", a)] == 0.25
+    assert samples[("ggml_cluster_node_rtt_seconds", a)] == 0.0004
+    assert samples[("ggml_cluster_node_profile_age_seconds", a)] == 180
+    assert samples[("ggml_cluster_node_profile_source", (*a, ("source", "live")))] == 1
+    assert samples[("ggml_cluster_node_profile_source", (*a, ("source", "timed")))] == 0
+    for name in ("predicted_compute_seconds", "live_compute_seconds", "drift_ratio", "rtt_seconds",
+                 "profile_age_seconds"):  # b was never profiled, holds no layers and was not probed
+        assert (f"ggml_cluster_node_{name}", b) not in samples
+    assert not [key for key in samples if key[0] == "ggml_cluster_node_profile_source" and key[1][:2] == b]
     assert samples[("ggml_cluster_coordinator_state", (("cluster", "lab"), ("state", "generating")))] == 1
     assert samples[("ggml_cluster_requests_total", (("cluster", "lab"),))] == 3
     assert samples[("ggml_cluster_decode_tokens_per_second", (("cluster", "lab"),))] == 12.5
@@ -155,6 +169,16 @@ def test_prometheus_exposition_of_a_snapshot() -> None:
     assert samples[("ggml_cluster_requests_sampled_on_coordinator_total", lab)] == 5
     assert samples[("ggml_cluster_completion_tokens_batched_total", lab)] == 120
     assert samples[("ggml_cluster_aggregate_decode_tokens_per_second", lab)] == 12.5
+
+
+def test_a_profile_age_is_taken_at_the_scrape_and_never_negative() -> None:
+    def age(now: float) -> float:
+        found = [family for family in families(snapshot(), now=now)
+                 if family.name == "ggml_cluster_node_profile_age_seconds"]
+        return found[0].samples[0].value
+
+    assert (age(NOW), age(NOW + 60)) == (180, 240)
+    assert age(NOW - 600) == 0  # the clock stepped back past the profile's stamp
 
 
 KEY = "k" * 8 + "0123456789abcdef"

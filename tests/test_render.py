@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from cli.render import bar, compact, duration, run_summary, size, status_view, to_text
+from cli.render import bar, compact, duration, profile, run_summary, size, status_view, to_text
+from core.plan_explained import live_note
 from core.status import (
     ClusterStatus,
     CoordinatorState,
@@ -267,3 +268,59 @@ def test_a_full_queue_and_parallel_slots_are_on_the_third_line() -> None:
     assert ClusterStatus.from_dict(data) == status
     shared = dataclasses.replace(status, prompt_tokens_shared=117)  # in --json and /metrics, not on the header
     assert ClusterStatus.from_dict(json.loads(json.dumps(shared.to_dict()))).prompt_tokens_shared == 117
+
+
+def learning() -> ClusterStatus:
+    """A compute plan checked against the relay: rtx4090's profile timed 3 h ago and holding (-5%), pi5's corrected
+    from live times 3 min ago and drifting again (+42%)."""
+    return when(healthy(),
+                rtx4090={"predicted_ms": 9.5, "live_ms": 9.02, "drift": 9.02 / 9.5 - 1, "profile_source": "timed",
+                         "profiled_at": T0 + 125 - 3 * 3600, "compute_status": True},
+                pi5={"predicted_ms": 3.0, "live_ms": 4.25, "drift": 4.25 / 3.0 - 1, "profile_source": "live",
+                     "profiled_at": T0 + 125 - 180, "compute_status": True})
+
+
+def test_live_time_against_the_plan_with_its_drift_and_the_profiles_age_fit_120_columns() -> None:
+    lines = screen(learning(), width=120)
+    assert lines[4:7] == [
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK PLAN LIVE DRIFT PROFILE    "
+        "COMPUTES CFAIL RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12 9.50 9.02   -5% timed 3 h  "
+        "    1210     0        0",
+        "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25 3.00 4.25  +42% live 3 min"
+        "     1209     0        0",
+    ]
+    assert all(len(line) <= 120 for line in lines)
+    # Narrower: the profile's age goes first, then the drift, the live time and the plan; then CFAIL and LOAD, as
+    # before, so at 80 columns the table is what it was.
+    assert screen(learning(), width=100)[4] == ("NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK PLAN LIVE "
+                                                "DRIFT COMPUTES CFAIL RESTARTS")
+    assert screen(learning(), width=90)[4].split()[6:8] == ["MS/TOK", "PLAN"]
+    assert screen(learning(), width=80)[4:7] == screen(healthy(), width=80)[4:7]
+    data = json.loads(json.dumps(learning().to_dict()))
+    assert data["nodes"][1]["profile_source"] == "live" and data["nodes"][1]["drift"] == pytest.approx(0.41667, 1e-4)
+    assert ClusterStatus.from_dict(data) == learning()
+
+
+def test_columns_nothing_fills_are_left_out() -> None:
+    """Under the memory strategy nothing is profiled or predicted: the live time alone, once there is one; and a
+    node without layers (or live times yet) shows '-' among those that have them."""
+    memory = when(healthy(), rtx4090={"live_ms": 9.02}, pi5={"live_ms": 4.31})
+    assert screen(memory, width=120)[4:7] == [
+        "NODE    BACKEND     STATE LAYERS MEMORY         LOAD MS/TOK LIVE COMPUTES CFAIL RESTARTS",
+        "rtx4090 x86_64/cuda ready 0-19   ███░ 18G/24G    88%   9.12 9.02     1210     -        0",
+        "pi5     aarch64/cpu ready 20-27  █▎░░ 2.4G/8.0G 398%   4.25 4.31     1209     -        0",
+    ]
+    assert "LIVE" not in screen(healthy(), width=120)[4]  # too few computes under the plan so far
+    resting = when(learning(), pi5={"layers": None, "live_ms": None, "drift": None, "predicted_ms": None})
+    assert screen(resting, width=120)[6].split()[7:12] == ["-", "-", "-", "-", "live"]  # MS/TOK to PROFILE
+
+
+def test_a_profiles_age_and_source_as_plan_words_them() -> None:
+    pi5 = learning().nodes[1]
+    assert profile(pi5, T0 + 125) == "live 3 min" and profile(pi5, T0 + 125 - 135) == "live 45 s"
+    assert profile(dataclasses.replace(pi5, profile_source="timed"), T0 + 125 + 2 * 86400) == "timed 2 days"
+    assert profile(dataclasses.replace(pi5, profiled_at=None), T0) == "-"
+    # `plan` says the same of it: its age, whether it was corrected, and the drift in percent.
+    assert live_note(180, 4.25, 3.0, corrected=True) == ("corrected from live times 3 min ago; live 4.25 ms per "
+                                                         "compute against 3.00 planned (+42%)")

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from selenium import webdriver
 
+from core.plan_explained import age
 from tests.browser import NODE_ROWS, WINDOW, chrome, console, needs_browser, wait_for
-from tests.harness import Cluster, run_with_fault
+from tests.harness import Cluster, learned, run_with_fault
 from tests.netbed import NetBed, _run, needs_bed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -90,6 +91,40 @@ def test_the_page_shows_every_node_and_logs_no_errors(cluster: Cluster, page: we
     loaded = page.execute_script("return performance.getEntriesByType('resource').map(entry => entry.name)")
     assert loaded and all(url.startswith(origin) for url in loaded), loaded
     assert console(page) == []
+
+
+def test_each_node_shows_its_live_time_against_the_plan_and_its_profile() -> None:
+    """Under the compute strategy (every node profiled, a predicted share for each that holds layers): the live time
+    with its drift, and the profile's source and age, as `status --json` has them and `plan` words them."""
+    needs_browser()
+    root = Path(tempfile.mkdtemp(prefix="gcw-", dir="/tmp"))
+    cluster = Cluster(root, nodes=2, strategy=None)
+    driver = None
+    try:
+        cluster.cli("up")
+        status = learned(cluster)
+        driver = chrome()
+        driver.get(status["dashboard_url"])
+        shown = wait_for(driver, NODE_ROWS, lambda found: len(found) == 2 and all(row["profile"] for row in found),
+                         20, "both nodes with their profiles")
+        seen_at = time.time()
+        for node, row in zip(status["nodes"], shown, strict=True):
+            if node["layers"]:
+                assert row["planned"] == f"{node['predicted_ms']:.2f}"
+                assert row["live-text"] == ("-" if node["live_ms"] is None else f"{node['live_ms']:.2f}")
+                assert row["drift"] == ("" if node["drift"] is None else f"{node['drift']:+.0%} vs planned")
+            else:  # no share in this plan: nothing planned, nothing live
+                assert (row["planned"], row["live-text"], row["drift"]) == ("-", "-", "")
+            how = "corrected from live times" if node["profile_source"] == "live" else "profiled"
+            ages = {age(seen_at - node["profiled_at"] - lag) for lag in (0, 1, 2)}  # a second may tick meanwhile
+            assert row["profile"] in {f"{how} {each} ago" for each in ages}, row["profile"]
+        assert any(row["drift"] for row in shown)  # learned(): a node with layers has a live time
+        assert console(driver) == []
+    finally:
+        if driver is not None:
+            driver.quit()
+        cluster.cli("down", check=False)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_decode_chart_grows_while_a_request_runs(cluster: Cluster, page: webdriver.Chrome) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,14 @@ from core.status import ClusterStatus, CoordinatorState, NodeState
 _PREFIX = "ggml_cluster"
 
 
-def families(status: ClusterStatus) -> list[Metric]:
-    """The snapshot as Prometheus metric families: cluster-wide series and one series per node."""
+# How a node's speed profile was taken (NodeStatus.profile_source): by the profiler, or corrected from live times.
+PROFILE_SOURCES = ("timed", "live")
+
+
+def families(status: ClusterStatus, now: float | None = None) -> list[Metric]:
+    """The snapshot as Prometheus metric families: cluster-wide series and one series per node; ``now`` (epoch
+    seconds, default the time of the call) is what the nodes' profile ages are measured to."""
+    now = time.time() if now is None else now
     cluster = [status.cluster]
 
     def gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
@@ -78,6 +85,9 @@ def families(status: ClusterStatus) -> list[Metric]:
     labels = ["cluster", "node"]
     state = GaugeMetricFamily(f"{_PREFIX}_node_state", "1 for the node's current state.",
                               labels=[*labels, "state"])
+    source = GaugeMetricFamily(f"{_PREFIX}_node_profile_source", "1 for how the node's speed profile was taken: "
+                               "timed by the profiler, or live: corrected from the relay's times.",
+                               labels=[*labels, "source"])
     per_node: dict[str, tuple[str, bool]] = {  # name: (help, is a counter)
         "layers": ("Layers the node holds.", False),
         "restarts": ("Worker restarts.", True),
@@ -86,6 +96,12 @@ def families(status: ClusterStatus) -> list[Metric]:
         "sent_bytes": ("RPC bytes sent to the node.", True),
         "received_bytes": ("RPC bytes received from the node.", True),
         "compute_seconds": ("Time per token spent on the node (moving average).", False),
+        "predicted_compute_seconds": ("The node's share of a token that the running plan predicts.", False),
+        "live_compute_seconds": ("Median of the node's latest computes under the running plan (its share of a "
+                                 "token now).", False),
+        "drift_ratio": ("The node's live time against the plan's prediction, as a fraction (0.3: 30% slower).", False),
+        "rtt_seconds": ("A request's round trip to the node's worker, probed before each plan: its link.", False),
+        "profile_age_seconds": ("How old the node's speed profile is.", False),
         "cpu_percent": ("The worker's CPU use (100 = one core).", False),
         "resident_bytes": ("The worker's resident memory.", False),
         "memory_bytes": ("The node's memory for the worker (device memory on GPU nodes).", False),
@@ -101,12 +117,21 @@ def families(status: ClusterStatus) -> list[Metric]:
         key = [status.cluster, node.name]
         for node_state in NodeState:
             state.add_metric([*key, str(node_state)], float(node_state == node.state))
+        if node.profiled_at is not None:  # a node never profiled has no source to show
+            for how in PROFILE_SOURCES:
+                source.add_metric([*key, how], float(how == node.profile_source))
         values: dict[str, float | None] = {
             "layers": 0 if node.layers is None else node.layers[1] - node.layers[0] + 1,
             "restarts": node.restarts,
             "compute_seconds": None if node.compute_ms is None else node.compute_ms / 1000,
             "cpu_percent": node.cpu_percent, "resident_bytes": node.rss, "memory_bytes": node.mem_total or None,
             "gpu_utilization_percent": node.gpu_percent, "gpu_memory_used_bytes": node.gpu_mem_used,
+            "predicted_compute_seconds": None if node.predicted_ms is None else node.predicted_ms / 1000,
+            "live_compute_seconds": None if node.live_ms is None else node.live_ms / 1000,
+            "drift_ratio": node.drift,
+            "rtt_seconds": None if node.rtt_ms is None else node.rtt_ms / 1000,
+            # never negative, should the clock have stepped back since the profile was stamped
+            "profile_age_seconds": None if node.profiled_at is None else max(0.0, now - node.profiled_at),
         }
         if node.compute_status or node.compute_failures:  # a stock worker aborts instead of reporting
             values.update(compute_failures=node.compute_failures, compute_retries=node.compute_retries,
@@ -117,7 +142,7 @@ def families(status: ClusterStatus) -> list[Metric]:
         for name, value in values.items():
             if value is not None:
                 made[name].add_metric(key, float(value))
-    return [*result, state, *made.values()]
+    return [*result, state, source, *made.values()]
 
 
 class _SnapshotCollector(Collector):

@@ -44,6 +44,26 @@
     return new Date(epoch * 1000).toLocaleTimeString([], { hour12: false });
   }
 
+  // An age and a departure from the plan as `plan` words them (core/plan_explained.py: age, percent).
+  function age(seconds) {
+    if (seconds < 120) return `${seconds.toFixed(0)} s`;
+    if (seconds < 7200) return `${(seconds / 60).toFixed(0)} min`;
+    if (seconds < 172800) return `${(seconds / 3600).toFixed(0)} h`;
+    return `${(seconds / 86400).toFixed(0)} days`;
+  }
+
+  function percent(drift) {
+    return `${drift < 0 ? "-" : "+"}${Math.abs(100 * drift).toFixed(0)}%`;
+  }
+
+  // How the node's speed profile was taken and how long ago: "profiled 2 h ago", or "corrected from live times
+  // 3 min ago" once the controller corrected it from the relay's times.
+  function profileNote(node) {
+    if (node.profiled_at === null) return "-";
+    const how = node.profile_source === "live" ? "corrected from live times" : "profiled";
+    return `${how} ${age(Math.max(0, Date.now() / 1000 - node.profiled_at))} ago`;
+  }
+
   // Failed, or being tried again after failing: no plan counts on it (NodeStatus.left_out).
   function leftOut(node) {
     return node.state === "failed" || (node.failures > 0 && node.state !== "ready");
@@ -89,7 +109,10 @@
     state.innerHTML = '<span class="state" data-field="state"></span><small data-field="last"></small>';
     cell(row, "layers").innerHTML = '<span data-field="layer-text"></span><div class="bar"><div></div></div>';
     cell(row, "memory").innerHTML = '<span data-field="memory-text"></span><div class="bar"><div></div></div>';
-    for (const field of ["measured", "planned", "restarts", "failures"]) cell(row, field, "number");
+    for (const field of ["measured", "planned"]) cell(row, field, "number");
+    cell(row, "live", "number").innerHTML = '<span data-field="live-text"></span><small data-field="drift"></small>';
+    cell(row, "profile");
+    for (const field of ["restarts", "failures"]) cell(row, field, "number");
     return row;
   }
 
@@ -116,6 +139,10 @@
       `${held && held.used !== null ? Math.min(100, (100 * held.used) / held.total) : 0}%`;
     setText(field("measured"), node.layers ? number(node.compute_ms, 2) : "-");
     setText(field("planned"), node.layers ? number(node.predicted_ms, 2) : "-");
+    // The median of its latest computes under the running plan, and how far that is from the planned share.
+    setText(field("live-text"), node.layers ? number(node.live_ms, 2) : "-");
+    setText(field("drift"), node.layers && node.drift !== null ? `${percent(node.drift)} vs planned` : "");
+    setText(field("profile"), profileNote(node));
     setText(field("restarts"), String(node.restarts));
     // A stock worker (or one not probed yet) aborts instead of reporting a failed compute: nothing to count.
     setText(field("failures"), node.compute_status || node.compute_failures ? String(node.compute_failures) : "-");
