@@ -232,7 +232,8 @@ def test_reload_takes_every_weight_over_1_mib_from_the_workers_cache(short_tmp) 
 def test_down_leaves_no_process_behind(short_tmp) -> None:
     cluster = Cluster(short_tmp, nodes=2)
     try:
-        cluster.cli("up")
+        # every node's processes are counted: a node left out (its port taken by another run, once) must say why
+        cluster.cli("up", "--require-all")
         status = cluster.status()
         expected = {status["controller_pid"], status["coordinator"]["pid"]}
         expected |= {pid for node in ("n0", "n1") for pid in (cluster.worker_pid(node), cluster.supervisor_pid(node))}

@@ -152,6 +152,11 @@ def test_run_shows_computes_load_and_memory_per_node(cluster3: Cluster) -> None:
 def test_prometheus_endpoint_has_per_node_series(cluster3: Cluster) -> None:
     cluster3.cli("run", PROMPT, "-n", "72")  # at least 64 computes on each node under the plan: its live time
     status = cluster3.status()
+    deadline = time.monotonic() + 30
+    while any(node["rss"] is None for node in status["nodes"]):  # workers are sampled every 2 s, a fresh one not yet
+        assert time.monotonic() < deadline, "the workers' memory was never sampled"
+        time.sleep(0.2)
+        status = cluster3.status()
     endpoint = status["metrics_endpoint"]
     host, _, port = endpoint.rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
