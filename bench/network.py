@@ -18,12 +18,14 @@ Reported per arm: decode tok/s (first token to last, as `run` sees them; llama-s
 llama-bench's `avg_ts`), time to first token (llama-server: its `prompt_ms`), bytes per token from and to each
 node (the relays' counters in `status`: ggml-cluster's arms only), and `up` (the first one on a bed starts the
 workers).
-With ``--faults``, then, on each bed, with the defaults: a `kill -9` of the worker of the 5th node (or the last,
-with fewer) and a cut of that node's SSH connections, each in the middle of a request: the time from the fault to
+With ``--plan``, first: every node profiled (`profile`) and the compute strategy's plan for the bed (`plan
+--strategy compute`), the planner's choice on that link. With ``--faults``, then, on each bed, with the defaults:
+a `kill -9` of the worker of the 5th node (or the last, with fewer) and a cut of that node's SSH connections, each
+in the middle of a request: the time from the fault to
 the next token, and whether the text is the fault-free one.
 
     .venv/bin/python bench/network.py [--nodes 2] [--profiles unshaped,lan,wifi] [--rounds 2] [--tokens 64]
-                                      [--faults] [--no-llama]
+                                      [--faults] [--no-llama] [--plan]
 """
 
 from __future__ import annotations
@@ -196,6 +198,12 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
         started = time.monotonic()
         clusters[NAMES[0]].cli("up")  # starts the workers that every arm then uses
         ups.append(time.monotonic() - started)
+        if args.plan:
+            started = time.monotonic()
+            clusters[NAMES[0]].cli("profile")
+            print(f"{profile}: every node profiled in {time.monotonic() - started:.1f} s (with the reload); the "
+                  f"planner's choice (strategy compute, objective latency) on this bed:")
+            print(clusters[NAMES[0]].cli("plan", "--strategy", "compute").stdout)
         clusters[NAMES[0]].cli("down", "--keep-workers")
         endpoints = rpc_endpoints(bed, ports) if args.llama else []
         for round_ in range(args.rounds):
@@ -238,6 +246,9 @@ def main() -> int:
     parser.add_argument("--faults", action="store_true", help="then a kill -9 and an SSH cut on each bed")
     parser.add_argument("--no-llama", dest="llama", action="store_false",
                         help="leave out llama-bench's and llama-server's arms")
+    parser.add_argument("--plan", action="store_true",
+                        help="first profile every node and print the compute strategy's plan for the bed "
+                             "(the arms keep the equal split; with --rounds 0, only that)")
     args = parser.parse_args()
     reason = available()
     if reason:
@@ -245,6 +256,8 @@ def main() -> int:
         return 2
     model = real_model()
     results = {profile: run_profile(profile, args, model) for profile in args.profiles.split(",")}
+    if args.rounds < 1:
+        return 0
     print(f"\nmodel {model.name}, {args.nodes} ssh nodes, equal split, {args.tokens} tokens, {args.rounds} rounds")
     rates: dict[tuple[str, str], float] = {}
     for profile, runs in results.items():
