@@ -191,6 +191,7 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
     ports = [free_port() for _ in range(args.nodes)]
     clusters = {arm: arm_cluster(bed, root, arm, args.nodes, ports, model) for arm in ARMS}
     names = NAMES + (LLAMA if args.llama else ())
+    server_log = root.parent / f"{root.name}-llama-server.log"  # outside the bed's folder: kept if llama-server fails
     runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in names}
     split = "/".join(f"{share:g}" for share in equal_split(model, 1024, args.nodes).tensor_split)
     ups: list[float] = []
@@ -214,7 +215,7 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
                     continue
                 if arm in SERVERS:
                     runs[arm].append(llama_server_run(bed, model, endpoints, split, SERVERS[arm], args.tokens,
-                                                      root.parent / f"{root.name}-llama-server.log"))
+                                                      server_log))
                     continue
                 cluster = clusters[arm]
                 started = time.monotonic()
@@ -227,6 +228,7 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
             clusters["ngram"].cli("up")
             print(f"{profile}, faults mid-request (the defaults: sampling node, speculative ngram):")
             field_faults(bed, clusters["ngram"], root / "nodes", 4 * args.tokens)
+        server_log.unlink(missing_ok=True)
     finally:
         for cluster in clusters.values():
             cluster.cli("down", check=False)
