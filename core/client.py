@@ -95,8 +95,9 @@ async def _exclusive(path: Path, on_wait: Progress) -> AsyncIterator[None]:
         yield  # closing the file releases the lock
 
 
-async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[ClusterStatus], None],
-                    on_build: Progress, require_all: bool) -> UpResult:
+def checked_model(inventory: Inventory) -> Path:
+    """The inventory's model (the demo's when it names none), read, and its draft model checked against it;
+    InventoryError, one line naming the field, when either is missing, unreadable or they do not match."""
     model = inventory.model_path
     if model is None:
         model = demo_model(cache_dir())
@@ -106,6 +107,12 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
     read_model(model)
     if (draft := inventory.draft_model_path) is not None:
         check_draft_model(draft, model, inventory.source)
+    return model
+
+
+async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[ClusterStatus], None],
+                    on_build: Progress, require_all: bool) -> UpResult:
+    model = checked_model(inventory)
     binary = await asyncio.to_thread(worker_binary, "cpu", on_build)
     inventory_text = json.dumps(inventory.model_dump(mode="json", exclude={"source"}), sort_keys=True)
     launch = Launch(binary=str(binary.path), protocol=binary.protocol, model=str(model.resolve()))
@@ -316,7 +323,9 @@ class NodeCheck:
 
 
 async def check(inventory: Inventory) -> list[NodeCheck]:
-    """Preflight every node (reach, probe, toolchain, worker, port) in parallel, starting nothing."""
+    """Preflight the model (and the draft model's vocabulary), then every node (reach, probe, toolchain, worker,
+    port) in parallel, starting nothing."""
+    await asyncio.to_thread(checked_model, inventory)
     state = state_for(inventory)
     flags = local_cpu_flags()
     gate = asyncio.Semaphore(PARALLEL_NODES)

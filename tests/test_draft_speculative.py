@@ -124,12 +124,13 @@ def test_a_draft_model_with_other_weights_has_drafts_rejected_and_the_text_is_th
     assert drafted_now - drafted > accepted_now - accepted
 
 
-def test_up_refuses_a_draft_model_with_another_vocabulary_before_starting_anything() -> None:
+@pytest.mark.parametrize("command", ["up", "check"])
+def test_up_and_check_refuse_a_draft_model_with_another_vocabulary_before_starting_anything(command: str) -> None:
     root = Path(tempfile.mkdtemp(prefix="gcdraftv-", dir="/tmp"))
     try:
         foreign = write_vocabulary(root / "foreign.gguf", ["<unk>", "<s>", "</s>", "a", "b"])
         cluster = Cluster(root, nodes=1, top=[f"speculative: {{draft_model: {foreign.name}}}"])
-        result = cluster.cli("up", check=False)
+        result = cluster.cli(command, check=False)
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in result.stderr
