@@ -3,6 +3,7 @@ as ssh checks a private key) or from ``$GGML_CLUSTER_API_KEY``. Never written an
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import stat
 from pathlib import Path
@@ -72,3 +73,14 @@ def _key_problem(key: str) -> str:
     if len(key) < MIN_API_KEY_CHARS:
         return f"holds {len(key)} characters: a key needs at least {MIN_API_KEY_CHARS}"
     return ""
+
+
+# Beyond loopback, the API and the metrics endpoint need a key (core.inventory checks the inventory for it).
+def is_loopback(host: str) -> bool:
+    """Whether a listener on ``host`` is reachable from this machine only: 127.0.0.0/8, ::1 or localhost."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or "" (every address)
+        return False

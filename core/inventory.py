@@ -10,12 +10,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
-from core.api_key import API_KEY_ENV, environment_key, read_api_key
+from core.api_key import API_KEY_ENV, environment_key, is_loopback, read_api_key
 from core.errors import InventoryError
 from core.inventory_errors import SHORT, Locator, unconstructible, validate
-from core.inventory_fields import DRAFT_P_MIN, Environment, Host, Name, PathText, Port, Size, Slots, User
+from core.inventory_fields import (
+    DRAFT_P_MIN,
+    Environment,
+    Host,
+    Name,
+    PathText,
+    Port,
+    Size,
+    Slots,
+    User,
+    speculative_switch,
+)
 
 INVENTORY_ENV = "GGML_CLUSTER_INVENTORY"
 DEFAULT_INVENTORY_FILE = "inventory.yaml"
@@ -162,7 +173,7 @@ class Inventory(_Frozen):
     # Speculative decoding: ngram: each slot drafts from its own tokens (core.engine.speculation) and one step
     # verifies them, so text that repeats what came before costs one network wait per several tokens; off: one
     # token per step; {draft_model: PATH}: a small model with the same vocabulary drafts, on this machine.
-    speculative: Literal["ngram", "off"] | DraftModelSpec = "ngram"
+    speculative: Annotated[Literal["ngram", "off"] | DraftModelSpec, BeforeValidator(speculative_switch)] = "ngram"
     api: Api = Field(default_factory=Api)
     metrics: Metrics = Field(default_factory=Metrics)
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
@@ -176,15 +187,6 @@ class Inventory(_Frozen):
     def api_key(self) -> str | None:
         """The key the API and the metrics endpoint require as a Bearer token; None: they are open (loopback)."""
         return self._api_key
-
-    @field_validator("speculative", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value: object) -> object:
-        """YAML 1.1 reads a bare ``off`` (``no``, ``false``) as false and ``on`` as true: they mean off and ngram."""
-        value = {False: "off", True: "ngram"}.get(value, value) if isinstance(value, bool) else value
-        if not isinstance(value, dict) and value not in ("ngram", "off"):
-            raise ValueError(f"got {SHORT.repr(value)}; expected ngram, off or {{draft_model: PATH}}")
-        return value
 
     @property
     def speculates(self) -> bool:
@@ -395,16 +397,6 @@ def _check_chat_template(inventory: Inventory, locate: Locator) -> None:
     except jinja2.TemplateSyntaxError as exc:
         raise InventoryError(locate.at(at, f"{path} line {exc.lineno} is not a Jinja template: {exc.message}"),
                              "fix: correct the template, or name a built-in chat format such as chatml") from None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listener on ``host`` is reachable from this machine only: 127.0.0.0/8, ::1 or localhost."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name, or "" (every address)
-        return False
 
 
 def _check_exposure(inventory: Inventory, locate: Locator) -> None:

@@ -90,6 +90,15 @@ def _slots(value: object) -> object:
     raise ValueError(f"{SHORT.repr(value)} is neither 'auto' nor a whole number of slots (1 to 64)")
 
 
+def speculative_switch(value: object) -> object:
+    """``speculative``'s value before its type: YAML 1.1 reads a bare ``off`` (``no``, ``false``) as false and ``on``
+    as true, which mean off and ngram; anything but those words or a mapping (``{draft_model: PATH}``) is refused."""
+    value = {False: "off", True: "ngram"}.get(value, value) if isinstance(value, bool) else value
+    if not isinstance(value, dict) and value not in ("ngram", "off"):
+        raise ValueError(f"got {SHORT.repr(value)}; expected ngram, off or {{draft_model: PATH}}")
+    return value
+
+
 def _no_nul(value: object) -> object:
     if isinstance(value, str) and "\0" in value:
         raise ValueError("a path cannot contain a NUL character")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,17 @@ def running_cluster(prefix: str, nodes: int, **options: Any) -> Iterator[Cluster
     yield cluster
     cluster.cli("down", check=False)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def output_node(status: dict[str, Any]) -> dict[str, Any]:
+    """The node of a `status --json` that holds the model's last layers, and so its output layer."""
+    return max((node for node in status["nodes"] if node["layers"]), key=lambda node: node["layers"][1])
+
+
+def metrics_text(status: dict[str, Any]) -> str:
+    """The cluster's Prometheus /metrics page (no key: beyond loopback it needs one)."""
+    with urllib.request.urlopen(f"http://{status['metrics_endpoint']}/metrics", timeout=30) as answer:
+        return str(answer.read().decode())
 
 
 def api_client(cluster: Cluster) -> openai.OpenAI:

@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import tempfile
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from core.model import demo_model, write_demo_model
 from core.nodes.build import cache_dir
-from tests.harness import Cluster, api_client, run_with_fault, running_cluster
+from tests.harness import Cluster, api_client, metrics_text, output_node, run_with_fault, running_cluster
 from tests.test_draft_model import write_vocabulary
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -98,15 +97,14 @@ def test_the_counts_are_on_metrics(itself: Cluster) -> None:
     complete(itself, temperature=0)
     status = itself.status()
     assert status["tokens_accepted"] > 0
-    with urllib.request.urlopen(f"http://{status['metrics_endpoint']}/metrics", timeout=30) as answer:
-        text = answer.read().decode()
+    text = metrics_text(status)
     for name in ("tokens_drafted", "tokens_accepted"):
         assert re.search(rf"^ggml_cluster_{name}_total{{[^}}]*}} {status[name]}\.0$", text, re.MULTILINE), name
 
 
 def test_a_kill_mid_request_resumes_exactly_and_drafting_goes_on(itself: Cluster) -> None:
     clean = itself.cli("run", PROMPT, "-n", "120").stdout
-    output = max((node for node in itself.status()["nodes"] if node["layers"]), key=lambda node: node["layers"][1])
+    output = output_node(itself.status())
     victim = itself.worker_pid(output["name"])
     drafted, _ = counts(itself)
     result, text, _ = run_with_fault(itself, PROMPT, "120", lambda: os.kill(victim, signal.SIGKILL))

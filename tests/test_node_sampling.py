@@ -14,7 +14,7 @@ import pytest
 
 from core.model import demo_model, read_model
 from core.nodes.build import cache_dir
-from tests.harness import Cluster, api_client, run_with_fault
+from tests.harness import Cluster, api_client, output_node, run_with_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -34,8 +34,7 @@ def cluster() -> Iterator[Cluster]:
 
 def output_node_bytes(cluster: Cluster) -> int:
     """Bytes the worker with the last layers (the output layer) has sent the coordinator so far."""
-    nodes = [node for node in cluster.status()["nodes"] if node["layers"]]
-    return max(nodes, key=lambda node: node["layers"][1])["bytes_from"]
+    return int(output_node(cluster.status())["bytes_from"])
 
 
 def complete(cluster: Cluster, **fields: object) -> tuple[str, int, int]:
@@ -73,7 +72,7 @@ def test_a_json_schema_or_penalties_are_sampled_on_the_coordinator_and_counted(c
 def test_a_seeded_request_resumes_exactly_after_the_output_nodes_worker_is_killed(cluster: Cluster) -> None:
     args = ["--temperature", str(SEEDED["temperature"]), "--seed", str(SEEDED["seed"])]
     clean = cluster.cli("run", PROMPT, "-n", "160", *args).stdout
-    output = max((node for node in cluster.status()["nodes"] if node["layers"]), key=lambda node: node["layers"][1])
+    output = output_node(cluster.status())
     victim = cluster.worker_pid(output["name"])
     result, text, _ = run_with_fault(cluster, PROMPT, "160", lambda: os.kill(victim, signal.SIGKILL), *args)
     assert result.returncode == 0, result.stderr

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import Cluster, api_client, run_with_fault, running_cluster
+from tests.harness import Cluster, api_client, metrics_text, output_node, run_with_fault, running_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -51,15 +50,14 @@ def test_drafts_verified_in_the_step_give_the_text_of_one_token_per_step(cluster
 def test_the_counts_are_on_metrics(cluster: Cluster) -> None:
     complete(cluster, temperature=0)
     status = cluster.status()
-    with urllib.request.urlopen(f"http://{status['metrics_endpoint']}/metrics", timeout=30) as answer:
-        text = answer.read().decode()
+    text = metrics_text(status)
     for name in ("tokens_drafted", "tokens_accepted"):
         assert re.search(rf"^ggml_cluster_{name}_total{{[^}}]*}} {status[name]}\.0$", text, re.MULTILINE), name
 
 
 def test_a_kill_mid_request_resumes_exactly_with_drafts_in_flight(cluster: Cluster) -> None:
     clean = cluster.cli("run", PROMPT, "-n", "160").stdout
-    output = max((node for node in cluster.status()["nodes"] if node["layers"]), key=lambda node: node["layers"][1])
+    output = output_node(cluster.status())
     victim = cluster.worker_pid(output["name"])
     result, text, _ = run_with_fault(cluster, PROMPT, "160", lambda: os.kill(victim, signal.SIGKILL))
     assert result.returncode == 0, result.stderr
@@ -72,7 +70,7 @@ def test_sampled_on_the_node_a_steps_tokens_come_back_in_one_read(cluster: Clust
     # once per step; read one by one, drafts would add a round trip each and win little over a network.
     def reads() -> tuple[int, int, int]:
         status = cluster.status()
-        output = max((node for node in status["nodes"] if node["layers"]), key=lambda node: node["layers"][1])
+        output = output_node(status)
         return output["session"]["counts"].get("GET_TENSOR", 0), status["tokens_accepted"], status["tokens_drafted"]
 
     api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=1)  # the connection warm

@@ -16,10 +16,11 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from core.engine.llama_context import LlamaContext
 from core.engine.step import Entry
 from core.inventory_fields import DRAFT_P_MIN
 from core.model import BATCH, DRAFT_MAX
@@ -47,7 +48,7 @@ class DraftContext(Protocol):
         ...
 
 
-class LocalContext:
+class LocalContext(LlamaContext):
     """A llama.cpp context of a GGUF on this machine's CPU alone, with ``parallel`` sequences of ``context`` cells."""
 
     def __init__(self, path: str, context: int, parallel: int, threads: int) -> None:
@@ -73,38 +74,9 @@ class LocalContext:
         ctx = lib.llama_init_from_model(model, settings)
         if not ctx:
             raise ValueError(f"llama.cpp cannot make a context for the draft model {path}")
-        self.n_batch = int(settings.n_batch)
-        self._lib: Any = lib
-        self._model, self._ctx = model, ctx  # both live as long as the process
-        self._vocab = lib.llama_model_get_vocab(model)
-        self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-        self._memory = lib.llama_get_memory(ctx)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-
-    def decode(self, entries: list[Entry]) -> int:
-        """llama_decode of one batch (at most ``n_batch`` entries)."""
-        batch = self._batch
-        batch.n_tokens = len(entries)
-        for index, entry in enumerate(entries):
-            batch.token[index] = entry.token
-            batch.pos[index] = entry.pos
-            batch.n_seq_id[index] = 1
-            batch.seq_id[index][0] = entry.seq
-            batch.logits[index] = entry.logits
-        return int(self._lib.llama_decode(self._ctx, batch))
-
-    def logits(self, index: int) -> np.ndarray:
-        """The logits of the batch's ``index``-th entry, without a copy."""
-        pointer = self._lib.llama_get_logits_ith(self._ctx, index)
-        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
-
-    def forget(self, seq: int, start: int) -> None:
-        """Drop a sequence's cells from ``start`` on."""
-        self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
-
-    def is_end(self, token: int) -> bool:
-        """End of text or of a turn."""
-        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+        vocab = lib.llama_model_get_vocab(model)
+        super().__init__(lib, ctx, vocab, int(lib.llama_vocab_n_tokens(vocab)), int(settings.n_batch))
+        self._model = model  # lives as long as the process, as the context does
 
 
 class DraftModel:

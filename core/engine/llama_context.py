@@ -23,21 +23,21 @@ def last_logits(lib: Any, llm: Any, n_vocab: int, index: int = -1) -> np.ndarray
     return np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, index), shape=(n_vocab,))
 
 
-class LlamaEngine:
-    """The loaded model's llama.cpp context, driven with batches of several sequences (see core.engine.slots)."""
+class LlamaContext:
+    """A llama.cpp context driven with batches of entries: decoded, their logits read, KV cells dropped. The
+    cluster's model (LlamaEngine) and the head's draft model (core.engine.draft_model) are both driven so."""
 
-    def __init__(self, generator: Generator) -> None:
-        """The context of ``generator``'s loaded model."""
-        llm, lib = generator.llm, generator.lib
-        self.n_batch = int(llm.n_batch)
-        self._llm, self._lib, self._ctx = llm, lib, llm.ctx
-        self._compute = generator.compute
-        self._vocab, self._n_vocab = generator.vocab, generator.n_vocab
-        self._memory = lib.llama_get_memory(llm.ctx)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)  # lives as long as the process
+    def __init__(self, lib: Any, ctx: Any, vocab: Any, n_vocab: int, n_batch: int) -> None:
+        """``lib``: the llama_cpp module; ``ctx``, ``vocab``: the context and its model's vocabulary; batches of
+        at most ``n_batch`` entries."""
+        self.n_batch = n_batch
+        self._lib, self._ctx = lib, ctx
+        self._vocab, self._n_vocab = vocab, n_vocab
+        self._memory = lib.llama_get_memory(ctx)
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)  # lives as long as the process
 
     def decode(self, entries: list[Entry]) -> int:
-        """llama_decode of one batch."""
+        """llama_decode of one batch (at most ``n_batch`` entries)."""
         batch = self._batch
         batch.n_tokens = len(entries)
         for index, entry in enumerate(entries):
@@ -48,6 +48,29 @@ class LlamaEngine:
             batch.logits[index] = entry.logits
         return int(self._lib.llama_decode(self._ctx, batch))
 
+    def logits(self, index: int) -> np.ndarray:
+        """The logits of the batch's ``index``-th entry, without a copy."""
+        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(self._n_vocab,))
+
+    def forget(self, seq: int, start: int) -> None:
+        """Drop a sequence's KV cells from ``start`` on."""
+        self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
+
+    def is_end(self, token: int) -> bool:
+        """End of text or of a turn."""
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+
+class LlamaEngine(LlamaContext):
+    """The loaded model's llama.cpp context, driven with batches of several sequences (see core.engine.slots)."""
+
+    def __init__(self, generator: Generator) -> None:
+        """The context of ``generator``'s loaded model."""
+        llm = generator.llm
+        super().__init__(generator.lib, llm.ctx, generator.vocab, generator.n_vocab, int(llm.n_batch))
+        self._llm = llm
+        self._compute = generator.compute
+
     def synchronize(self) -> None:
         """Wait for the graph on every device (llama_decode may return before)."""
         self._lib.llama_synchronize(self._ctx)
@@ -55,14 +78,6 @@ class LlamaEngine:
     def take_failure(self) -> ComputeFailure | None:
         """A failed compute a worker reported, if any."""
         return self._compute.take() if self._compute is not None else None
-
-    def logits(self, index: int) -> np.ndarray:
-        """The logits of the batch's ``index``-th entry, without a copy."""
-        return last_logits(self._lib, self._llm, self._n_vocab, index)
-
-    def forget(self, seq: int, start: int) -> None:
-        """Drop a sequence's KV cells from ``start`` on."""
-        self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
 
     def copy(self, source: int, target: int, length: int) -> None:
         """Give ``target`` the cells of ``source``'s first ``length`` positions.
@@ -76,10 +91,6 @@ class LlamaEngine:
     def text(self, token: int) -> bytes:
         """A token's bytes."""
         return bytes(self._llm.detokenize([token]))
-
-    def is_end(self, token: int) -> bool:
-        """End of text or of a turn."""
-        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
     def attach(self, seq: int, sampler: NodeChain) -> bool:
         """Run ``sampler``'s chain on the output layer's device for ``seq`` (llama_set_sampler); False: it cannot
