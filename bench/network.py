@@ -8,6 +8,11 @@ them, `down --keep-workers` leaves them), alternating which goes first each roun
 - ``coordinator``: the same with `sampling: coordinator` (every logit of every token crosses the link);
 - ``ngram``: the defaults, `sampling: node` and `speculative: ngram` (drafts verified in the step), with the
   drafted and kept tokens;
+- ``logprobs``: the node arm, its request through the API with `logprobs: 5` (the likeliest 5 tokens' logprobs
+  reported with each token by the node, patches/0006; before it, such a request was sampled as the coordinator
+  arm's are), timed as the client receives the stream;
+- ``penalties``: the same with `frequency_penalty` and `presence_penalty` 0.5 and speculation on (each output of a
+  step counts the tokens sampled before it, patches/0007; before it, sampled as the coordinator arm's are);
 - llama.cpp as shipped, on the same workers and split (``--no-llama`` leaves these out): ``llama-bench`` and
   ``llama-server`` `--rpc`, plain, with `--backend-sampling`, and with `--spec-type ngram-simple` (looking up 4
   tokens and drafting up to 8: its defaults, 12 and 48, drafted nothing in these requests). They speak RPC
@@ -19,9 +24,10 @@ llama-bench's `avg_ts`), time to first token (llama-server: its `prompt_ms`), by
 node (the relays' counters in `status`: ggml-cluster's arms only), and `up` (the first one on a bed starts the
 workers).
 With ``--plan``, first: every node profiled (`profile`) and the compute strategy's plan for the bed (`plan
---strategy compute`), the planner's choice on that link. With ``--faults``, then, on each bed, with the defaults:
-a `kill -9` of the worker of the 5th node (or the last, with fewer) and a cut of that node's SSH connections, each
-in the middle of a request: the time from the fault to
+--strategy compute`), the planner's choice on that link; then one arm more, ``planned``: the defaults as a user
+runs them after `profile` (`strategy: compute`, the planner's layout for that link, not the equal split).
+With ``--faults``, then, on each bed, with the defaults: a `kill -9` of the worker of the 5th node (or the last,
+with fewer) and a cut of that node's SSH connections, each in the middle of a request: the time from the fault to
 the next token, and whether the text is the fault-free one.
 
     .venv/bin/python bench/network.py [--nodes 2] [--profiles unshaped,lan,wifi] [--rounds 2] [--tokens 64]
@@ -54,8 +60,31 @@ from tests.sshd import listening_in
 
 # Each arm's inventory lines.
 ARMS = {"node": ["sampling: node", "speculative: off"], "coordinator": ["sampling: coordinator", "speculative: off"],
-        "ngram": ["sampling: node", "speculative: ngram"]}
+        "ngram": ["sampling: node", "speculative: ngram"],
+        "logprobs": ["sampling: node", "speculative: off"],  # the node arm, its request with logprobs 5 (the API)
+        "penalties": ["sampling: node", "speculative: ngram"]}  # the defaults, its request penalised (the API)
+LOGPROBS = 5
+# The fields of the arms' requests that go through the API (the others use `run`).
+API_FIELDS: dict[str, dict[str, float]] = {"logprobs": {"logprobs": LOGPROBS},
+                                           "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5}}
+# Such a request, streamed from the head's namespace (where the API listens): arrival times, its text.
+API_REQUEST = """
+import json, sys, time
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=600)
+began, arrived, text, tokens = time.perf_counter(), [], "", 0
+for chunk in client.completions.create(model="any", prompt=sys.argv[2], max_tokens=int(sys.argv[3]), temperature=0,
+                                       stream=True, stream_options={"include_usage": True}, **json.loads(sys.argv[4])):
+    tokens = chunk.usage.completion_tokens if chunk.usage is not None else tokens
+    for choice in chunk.choices:
+        if choice.text:
+            arrived.append(time.perf_counter())
+            text += choice.text
+print(json.dumps({"first": arrived[0] - began, "decode": (tokens - 1) / (arrived[-1] - arrived[0]),
+                  "tokens": tokens, "text": text}))
+"""
 NAMES = tuple(ARMS)
+PLANNED = "planned"  # with --plan: the defaults on the compute strategy's layout (the profiles just taken)
 # llama-server's arms: its flags.
 SERVERS = {"llama-server": [], "llama-server --backend-sampling": ["--backend-sampling"],
            "llama-server --spec-type ngram-simple": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
@@ -70,9 +99,9 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 def arm_cluster(bed: NetBed, root: Path, arm: str, nodes: int, ports: list[int], model: Path) -> Cluster:
     (root / arm).mkdir(parents=True, exist_ok=True)
     return Cluster(root / arm, nodes=nodes, ssh=[bed.node_lines(index) for index in range(nodes)],
-                   base_env=bed.env(), prefix=bed.prefix, strategy="equal", ports=ports, context=1024,
-                   top=[f"model: {model}", *ARMS[arm]], defaults=[f"workdir: {root / 'nodes'}"],
-                   api="{port: 0, parallel: 1}")
+                   base_env=bed.env(), prefix=bed.prefix, strategy="compute" if arm == PLANNED else "equal",
+                   ports=ports, context=1024, top=[f"model: {model}", *ARMS.get(arm, ARMS["ngram"])],
+                   defaults=[f"workdir: {root / 'nodes'}"], api="{port: 0, parallel: 1}")
 
 
 def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
@@ -87,6 +116,23 @@ def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
     pairs = list(zip(before, after, strict=True))
     return {"decode": (generated - 1) / (timings["total_s"] - timings["first_token_s"]),
             "first": timings["first_token_s"],
+            "from": [(now["bytes_from"] - then["bytes_from"]) / generated for then, now in pairs],
+            "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs],
+            "drafted": end["tokens_drafted"] - start["tokens_drafted"],
+            "kept": end["tokens_accepted"] - start["tokens_accepted"], "text": result["text"]}
+
+
+def measure_api(bed: NetBed, cluster: Cluster, tokens: int, fields: dict[str, float]) -> dict[str, object]:
+    """One greedy request through the API with ``fields`` (logprobs, penalties: `run` has neither): decode tok/s
+    and first token as the client sees them, each node's bytes per token each way, and the tokens drafted and kept."""
+    start = cluster.status()
+    answer = subprocess.run([*bed.prefix, sys.executable, "-c", API_REQUEST, f"http://{start['api_endpoint']}/v1",
+                             PROMPT, str(tokens), json.dumps(fields)], capture_output=True, text=True, check=True)
+    result = json.loads(answer.stdout)
+    end = cluster.status()
+    pairs = list(zip(start["nodes"], end["nodes"], strict=True))
+    generated = result["tokens"]
+    return {"decode": result["decode"], "first": result["first"],
             "from": [(now["bytes_from"] - then["bytes_from"]) / generated for then, now in pairs],
             "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs],
             "drafted": end["tokens_drafted"] - start["tokens_drafted"],
@@ -189,8 +235,9 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
     root = Path(tempfile.mkdtemp(prefix="bench-net-", dir="/tmp"))
     bed = NetBed(root / "bed", args.nodes, profile)
     ports = [free_port() for _ in range(args.nodes)]
-    clusters = {arm: arm_cluster(bed, root, arm, args.nodes, ports, model) for arm in ARMS}
-    names = NAMES + (LLAMA if args.llama else ())
+    clusters = {arm: arm_cluster(bed, root, arm, args.nodes, ports, model)
+                for arm in NAMES + ((PLANNED,) if args.plan else ())}
+    names = tuple(clusters) + (LLAMA if args.llama else ())
     server_log = root.parent / f"{root.name}-llama-server.log"  # outside the bed's folder: kept if llama-server fails
     runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in names}
     split = "/".join(f"{share:g}" for share in equal_split(model, 1024, args.nodes).tensor_split)
@@ -222,7 +269,8 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
                 cluster.cli("up")
                 ups.append(time.monotonic() - started)
                 cluster.cli("run", "Hello", "-n", "4")  # warm: the first graph of a coordinator
-                runs[arm].append(measure(cluster, args.tokens))
+                runs[arm].append(measure_api(bed, cluster, args.tokens, API_FIELDS[arm]) if arm in API_FIELDS else
+                                 measure(cluster, args.tokens))
                 cluster.cli("down", "--keep-workers")
         if args.faults:
             clusters["ngram"].cli("up")
@@ -249,8 +297,9 @@ def main() -> int:
     parser.add_argument("--no-llama", dest="llama", action="store_false",
                         help="leave out llama-bench's and llama-server's arms")
     parser.add_argument("--plan", action="store_true",
-                        help="first profile every node and print the compute strategy's plan for the bed "
-                             "(the arms keep the equal split; with --rounds 0, only that)")
+                        help="first profile every node and print the compute strategy's plan for the bed, "
+                             "then run the planned arm too (the others keep the equal split; with --rounds 0, "
+                             "only the plan)")
     args = parser.parse_args()
     reason = available()
     if reason:
@@ -283,7 +332,10 @@ def main() -> int:
                 line += f"  drafted / kept {measured[-1]['drafted']} / {measured[-1]['kept']}"
             print(line)
         print(f"{profile:<9} node / coordinator = {rates[profile, 'node'] / rates[profile, 'coordinator']:.2f}, "
-              f"ngram / node = {rates[profile, 'ngram'] / rates[profile, 'node']:.2f}")
+              f"ngram / node = {rates[profile, 'ngram'] / rates[profile, 'node']:.2f}, logprobs {LOGPROBS} / node = "
+              f"{rates[profile, 'logprobs'] / rates[profile, 'node']:.2f}, penalties / ngram = "
+              f"{rates[profile, 'penalties'] / rates[profile, 'ngram']:.2f} (before patches/0006 and 0007 both were "
+              f"sampled as the coordinator arm is)")
         if args.llama:
             server = "llama-server --backend-sampling"
             node, bench = rates[profile, "node"], rates[profile, "llama-bench"]
@@ -296,8 +348,11 @@ def main() -> int:
     if "unshaped" in results:
         for profile in results:
             if profile != "unshaped":
+                planned = (f", planned {rates[profile, PLANNED] / rates['unshaped', PLANNED]:.2f}"
+                           if (profile, PLANNED) in rates else "")
                 print(f"{profile} / unshaped: sampling node {rates[profile, 'node'] / rates['unshaped', 'node']:.2f}, "
-                      f"defaults {rates[profile, 'ngram'] / rates['unshaped', 'ngram']:.2f} (goal at 100 Mbit >= 0.8)")
+                      f"defaults {rates[profile, 'ngram'] / rates['unshaped', 'ngram']:.2f}{planned} "
+                      f"(goal at 100 Mbit >= 0.8)")
     return 0
 
 

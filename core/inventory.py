@@ -168,7 +168,7 @@ class Inventory(_Frozen):
     chat_template: PathText | None = None
     # Where tokens are sampled: node: on the node that holds the output layer, so one token per sequence crosses
     # the network instead of every logit (n_vocab * 4 bytes); coordinator: here, from the logits (requests that
-    # need them, logprobs and a JSON schema, are sampled here either way).
+    # need them, a JSON schema, are sampled here either way).
     sampling: Literal["node", "coordinator"] = "node"
     # Speculative decoding: ngram: each slot drafts from its own tokens (core.engine.speculation) and one step
     # verifies them, so text that repeats what came before costs one network wait per several tokens; off: one

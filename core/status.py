@@ -185,7 +185,7 @@ class ClusterStatus:
     requests_rejected: int = 0         # requests refused because the queue was full
     prompt_tokens_shared: int = 0      # prompt tokens copied from another request's KV cells instead of evaluated
     # requests sampled from the whole vocabulary's logits on the coordinator, not where the output layer is
-    # (inventory sampling: coordinator, or a request that needs the logits: logprobs, a JSON schema)
+    # (inventory sampling: coordinator, or a request that needs the logits: a JSON schema, top_k 0)
     requests_sampled_on_coordinator: int = 0
     completion_tokens: int = 0         # tokens generated, since the controller started
     completion_tokens_batched: int = 0  # of them, decoded in a step that carried another sequence's tokens too

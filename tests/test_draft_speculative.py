@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 PROMPT = "the river and the stone in the north"
 TOKENS = 40
 OFF = {"speculative.n_max": 0}
-SEEDED = {"temperature": 0.9, "seed": 7}  # sampled on the node; with logprobs, here (the coordinator)
+SEEDED = {"temperature": 0.9, "seed": 7}  # sampled on the node, with logprobs too
 
 
 def drafting_with(path: Path) -> list[str]:
@@ -64,7 +64,7 @@ def counts(cluster: Cluster) -> tuple[int, int]:
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED, {**SEEDED, "logprobs": 1},
                                       {"temperature": 0, "logprobs": 2}, {"temperature": 0, "stop": ["stone"]}],
-                         ids=["greedy", "seeded", "seeded-here", "logprobs", "stop"])
+                         ids=["greedy", "seeded", "seeded-logprobs", "logprobs", "stop"])
 def test_the_model_as_its_own_draft_model_gives_the_text_of_one_token_per_step(itself: Cluster,
                                                                                sampling: dict) -> None:
     drafted, accepted = counts(itself)

@@ -1,6 +1,7 @@
 """Logits stay where they are computed: tokens are sampled on the node that holds the output layer (llama.cpp's
-backend sampling through RPC), only the sampled token crosses the network, and the text is the one the coordinator
-would have sampled from the logits, greedy and seeded, also after a kill -9 of that node's worker mid-request."""
+backend sampling through RPC), only the sampled token crosses the network (with its logprobs, when asked), and the
+text and logprobs are the ones the coordinator would have taken from the logits, greedy and seeded, also after a
+kill -9 of that node's worker mid-request."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 PROMPT = "The cluster said"
 TOKENS = 48
 SEEDED = {"temperature": 0.9, "seed": 42, "top_p": 0.95, "extra_body": {"top_k": 40, "min_p": 0.02}}
+# penalties over a window of 8 that the ngram drafts' outputs of a step must count one by one (patches/0007)
+PENALISED = {"temperature": 0, "presence_penalty": 0.8, "frequency_penalty": 0.4,
+             "extra_body": {"repeat_penalty": 1.3, "repeat_last_n": 8}}
+SEEDED_PENALISED = {**SEEDED, "frequency_penalty": 0.6, "extra_body": {**SEEDED["extra_body"], "repeat_penalty": 1.2}}
 
 
 @pytest.fixture(scope="module")
@@ -32,41 +38,69 @@ def cluster() -> Iterator[Cluster]:
     demo.cli("down", check=False)
 
 
+@pytest.fixture(scope="module")
+def here() -> Iterator[Cluster]:
+    """The same model on the same split, every request sampled on the coordinator from the whole vocabulary."""
+    demo = Cluster(Path(tempfile.mkdtemp(prefix="gcc-", dir="/tmp")), nodes=2, top=["sampling: coordinator"])
+    demo.cli("up")
+    yield demo
+    demo.cli("down", check=False)
+
+
 def output_node_bytes(cluster: Cluster) -> int:
     """Bytes the worker with the last layers (the output layer) has sent the coordinator so far."""
     return int(output_node(cluster.status())["bytes_from"])
 
 
-def complete(cluster: Cluster, **fields: object) -> tuple[str, int, int]:
-    """A completion's text, its tokens, and the bytes the output node sent for it."""
+def complete(cluster: Cluster, **fields: object) -> tuple[Any, int, int]:
+    """A completion's choice, its tokens, and the bytes the output node sent for it."""
     before = output_node_bytes(cluster)
     choice = api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, **fields)  # type: ignore[call-overload]
     assert choice.usage is not None
-    return choice.choices[0].text, choice.usage.completion_tokens, output_node_bytes(cluster) - before
+    return choice.choices[0], choice.usage.completion_tokens, output_node_bytes(cluster) - before
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
-def test_sampled_on_the_node_the_text_is_the_coordinators_and_the_logits_stay_there(cluster: Cluster,
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED, PENALISED, SEEDED_PENALISED],
+                         ids=["greedy", "seeded", "greedy-penalised", "seeded-penalised"])
+def test_sampled_on_the_node_the_text_is_the_coordinators_and_the_logits_stay_there(cluster: Cluster, here: Cluster,
                                                                                    sampling: dict) -> None:
     n_vocab = read_model(demo_model(cache_dir())).n_vocab
     counted = cluster.status()["requests_sampled_on_coordinator"]
     on_node, tokens, sent = complete(cluster, **sampling)
-    # logprobs need the whole vocabulary's logits: that request is sampled on the coordinator, from the same draws
-    here, here_tokens, here_sent = complete(cluster, logprobs=1, **sampling)
-    assert on_node == here and tokens == here_tokens == TOKENS
-    assert cluster.status()["requests_sampled_on_coordinator"] == counted + 1
+    coordinator, here_tokens, here_sent = complete(here, **sampling)  # from the same draws
+    assert on_node.text == coordinator.text and tokens == here_tokens == TOKENS
+    assert cluster.status()["requests_sampled_on_coordinator"] == counted
     assert here_sent / tokens >= n_vocab * 4  # every logit of every token
     assert sent / tokens < n_vocab  # a token, its candidates and the replies' headers: not a quarter of the logits
 
 
-def test_a_json_schema_or_penalties_are_sampled_on_the_coordinator_and_counted(cluster: Cluster) -> None:
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
+def test_logprobs_come_back_with_the_token_as_the_coordinator_takes_them_from_the_logits(
+        cluster: Cluster, here: Cluster, sampling: dict) -> None:
+    # patches/0006: the node reports the sampled token's probability and the likeliest 3 with the token, in the
+    # step's one read; the coordinator's come from all n_vocab logits of the same split (float64 there, float32 here)
+    n_vocab = read_model(demo_model(cache_dir())).n_vocab
+    counted = cluster.status()["requests_sampled_on_coordinator"]
+    on_node, tokens, sent = complete(cluster, logprobs=3, **sampling)
+    coordinator, _, here_sent = complete(here, logprobs=3, **sampling)
+    assert on_node.text == coordinator.text and tokens == TOKENS
+    assert cluster.status()["requests_sampled_on_coordinator"] == counted
+    ours, theirs = on_node.logprobs, coordinator.logprobs
+    assert ours.tokens == theirs.tokens and ours.text_offset == theirs.text_offset
+    assert ours.token_logprobs == pytest.approx(theirs.token_logprobs, abs=1e-4)
+    for mine, expected in zip(ours.top_logprobs, theirs.top_logprobs, strict=True):
+        assert list(mine) == list(expected) and list(mine.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+    assert here_sent / tokens >= n_vocab * 4
+    assert sent / tokens < n_vocab  # the token and 7 floats of logprobs, not the vocabulary's logits
+
+
+def test_a_json_schema_is_sampled_on_the_coordinator_and_counted(cluster: Cluster) -> None:
     counted = cluster.status()["requests_sampled_on_coordinator"]
     api = api_client(cluster)
-    api.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0,
-                           extra_body={"response_format": {"type": "json_object"}})
-    penalised = api.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0, presence_penalty=0.5)
-    assert penalised.choices[0].text
-    assert cluster.status()["requests_sampled_on_coordinator"] == counted + 2
+    shaped = api.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert shaped.choices[0].text
+    assert cluster.status()["requests_sampled_on_coordinator"] == counted + 1
 
 
 def test_a_seeded_request_resumes_exactly_after_the_output_nodes_worker_is_killed(cluster: Cluster) -> None:

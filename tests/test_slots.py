@@ -20,6 +20,7 @@ from core.engine.protocol import (
     PromptTokens,
     Token,
 )
+from core.engine.sampling import Logprobs
 from core.engine.slots import RETRY_DELAYS_S, SHARE_MIN_TOKENS, PersistentComputeFailure, Scheduler, Slot
 from core.engine.step import ComputeFailure, Entry
 
@@ -44,6 +45,7 @@ class FakeEngine:
         self.attached: dict[int, object] = {}  # seq → its sampler on the node, which always picks 9 + seq
         self.refuse: bool = False           # the output layer's device cannot run a node sampler
         self.unsampled: set[int] = set()    # sequences whose node returns no token
+        self.unreported: set[int] = set()   # sequences whose node returns no logprobs
 
     def decode(self, entries: list[Entry]) -> int:
         self.batches.append(list(entries))
@@ -87,6 +89,11 @@ class FakeEngine:
         assert seq in self.attached
         return -1 if seq in self.unsampled else 9 + seq
 
+    def sampled_report(self, index: int) -> np.ndarray | None:
+        """The node's logprobs: the token it picks at 1/2, then 2 at 1/4 and the token itself in no order."""
+        seq = self.batches[-1][index].seq
+        return None if seq in self.unreported else np.array([0.5, 0.25, 0.5, 2, 9 + seq], dtype=np.float32)
+
     def is_end(self, token: int) -> bool:
         return token in self.ends
 
@@ -105,12 +112,19 @@ class Ids:
         self.done.append(rid)
 
 
-def slot(rid: int, prompt: list[int], max_tokens: int, replay: list[int] | None = None) -> Slot:
+def slot(rid: int, prompt: list[int], max_tokens: int, replay: list[int] | None = None,
+         logprobs: int | None = None) -> Slot:
     replay = replay or []
-    return Slot(Generate(rid, max_tokens, prompt_tokens=prompt, replay=replay), seq=-1, prompt=prompt,
+    return Slot(Generate(rid, max_tokens, prompt_tokens=prompt, replay=replay, logprobs=logprobs), seq=-1,
+                prompt=prompt,
                 budget=min(max_tokens, CONTEXT - len(prompt)) - len(replay),
                 choose=lambda logits: int(np.argmax(logits)), accept=lambda _token: None,
-                replayed=lambda _token: None, explain=lambda _logits, _token: None)
+                replayed=lambda _token: None, explain=explained)
+
+
+def explained(_token: int, found: Logprobs) -> Any:
+    """Logprobs as a test compares them."""
+    return {"logprob": found.logprob, "top": found.top}
 
 
 class OnNode:
@@ -402,6 +416,19 @@ def test_a_node_that_cannot_run_the_sampler_leaves_the_request_to_the_logits() -
     run(made, node_slot)
     assert tokens(events, 1) == [5, 5] and node.accepted == []
     assert [event.sampled_on for event in events if isinstance(event, Done)] == ["coordinator"]
+
+
+def test_a_slot_sampled_on_the_node_takes_its_logprobs_from_the_nodes_report_likeliest_first() -> None:
+    engine = FakeEngine()
+    made, events, _ = scheduler(engine, parallel=2)
+    run(made, on_node(slot(1, [1, 2], 2, logprobs=1))[0], slot(2, [3], 2, logprobs=0))
+    chances = [event.logprobs for event in events if isinstance(event, Token)]
+    assert chances.count({"logprob": pytest.approx(np.log(0.5)), "top": [(9, pytest.approx(np.log(0.5)))]}) == 2
+    # the other chose from its logits: token 6 of 16, its logit 1 and the others' 0
+    assert chances.count({"logprob": pytest.approx(1 - np.log(np.e + 15)), "top": []}) == 2
+    engine.unreported = {0, 1}
+    run(made, on_node(slot(3, [1], 2, logprobs=0))[0])
+    assert Failed("the output layer's node returned no logprobs", 3) in events
 
 
 def test_a_node_that_returns_no_token_fails_that_request_alone() -> None:

@@ -59,6 +59,9 @@ class ScriptEngine(FakeEngine):
         assert self.batches[-1][index].seq in self.attached
         return self._next(index)
 
+    def sampled_report(self, index: int) -> np.ndarray | None:
+        return None
+
 
 def repeating(tokens: list[int]) -> int:
     """A text that repeats: 10 11 12 13 14 15 16 17, over and over."""
@@ -75,7 +78,7 @@ def drafting(rid: int, prompt: list[int], max_tokens: int, *, replay: list[int] 
     replay = replay or []
     return Slot(Generate(rid, max_tokens, prompt_tokens=prompt, replay=replay), seq=-1, prompt=prompt,
                 budget=max_tokens - len(replay), choose=lambda logits: int(np.argmax(logits)),
-                accept=lambda _token: None, replayed=lambda _token: None, explain=lambda _logits, _token: None,
+                accept=lambda _token: None, replayed=lambda _token: None, explain=lambda _token, _found: {},  # type: ignore[typeddict-item]
                 draft=NgramDraft(prompt + replay, limit) if limit else None)
 
 

@@ -65,9 +65,11 @@ def test_a_kill_mid_request_resumes_exactly_with_drafts_in_flight(cluster: Clust
     assert cluster.worker_pid(output["name"]) != victim
 
 
-def test_sampled_on_the_node_a_steps_tokens_come_back_in_one_read(cluster: Cluster) -> None:
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["tokens", "logprobs"])
+def test_sampled_on_the_node_a_steps_tokens_come_back_in_one_read(cluster: Cluster, logprobs: int | None) -> None:
     # patches/0005: the tokens of every output (the next token and each draft) are gathered on the node and read
-    # once per step; read one by one, drafts would add a round trip each and win little over a network.
+    # once per step; read one by one, drafts would add a round trip each and win little over a network. With
+    # logprobs (patches/0006), each output's report rides the same read.
     def reads() -> tuple[int, int, int]:
         status = cluster.status()
         output = output_node(status)
@@ -75,9 +77,11 @@ def test_sampled_on_the_node_a_steps_tokens_come_back_in_one_read(cluster: Clust
 
     api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=1)  # the connection warm
     before, kept_before, drafted_before = reads()
-    choice = api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+    choice = api_client(cluster).completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                                    logprobs=logprobs)
     after, kept_after, drafted_after = reads()
     assert choice.usage is not None and choice.usage.completion_tokens == TOKENS
+    assert (choice.choices[0].logprobs is None) == (logprobs is None)
     kept, drafted = kept_after - kept_before, drafted_after - drafted_before
     assert kept >= 1 and drafted >= 4  # read one by one, the drafts alone would be that many more reads
     # a step emits its kept drafts and the model's own token; plus the prompt's step (and one at the end)

@@ -18,7 +18,7 @@ import pytest
 
 from core.model import demo_model
 from core.nodes.build import cache_dir
-from tests.harness import Cluster, needs
+from tests.harness import Cluster, api_client, needs
 from tests.test_cluster import single_process
 from tests.test_hardening import gone
 
@@ -74,6 +74,21 @@ def test_a_vulkan_node_on_lavapipe_serves_and_one_without_a_device_is_named_once
         run = json.loads(cluster.cli("run", PROMPT, "-n", str(TOKENS), "--json").stdout)
         reference = single_process(str(demo_model(cache_dir())), PROMPT, TOKENS)
         assert (run["text"], run["completion_tokens"]) == (reference["text"], TOKENS)
+        # The output layer is on the Vulkan node: its sampler, with the logprobs report (patches/0006) and the
+        # penalties of a step's drafts (patches/0007), runs there; none falls back to the coordinator.
+        counted = cluster.status()["requests_sampled_on_coordinator"]
+        api = api_client(cluster)
+        chances = api.completions.create(model="any", prompt=PROMPT, max_tokens=4, temperature=0,
+                                         logprobs=2).choices[0]
+        assert chances.text == run["text"][:len(chances.text)] and chances.logprobs is not None
+        for token, logprob, top in zip(chances.logprobs.tokens, chances.logprobs.token_logprobs,
+                                       chances.logprobs.top_logprobs, strict=True):
+            assert len(top) == 2 and next(iter(top)) == token  # greedy: the likeliest, first
+            assert top[token] == pytest.approx(logprob) and logprob <= 0.0
+        penalised = api.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0,
+                                           presence_penalty=1.0, frequency_penalty=1.0)
+        assert penalised.usage is not None and penalised.usage.completion_tokens == 8
+        assert cluster.status()["requests_sampled_on_coordinator"] == counted
 
         # Failed once, held for the next `up`: never retried on a timer, and no worker was ever started there.
         n2 = cluster.status()["nodes"][2]

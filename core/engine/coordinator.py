@@ -48,7 +48,7 @@ from core.engine.protocol import (
     encode,
 )
 from core.engine.rpc_client import ComputeStatus, register_rpc_servers
-from core.engine.sampling import GrammarError, logprobs, sampler_for
+from core.engine.sampling import GrammarError, Logprobs, sampler_for
 from core.engine.slots import Choose, PersistentComputeFailure, RequestIds, Scheduler, Slot
 from core.engine.speculation import NgramDraft
 from core.engine.step import Draft
@@ -277,15 +277,10 @@ class Generator:
             # replayed tokens must come first, or the first new token would take the last replayed one's.
             for token in request.replay:
                 node.replayed(token)
-        top_n = request.logprobs
-
-        def explain(logits: np.ndarray, token: int) -> TokenLogprobs | None:
-            return self.logprobs(logits, token, top_n) if top_n is not None else None
-
         return Slot(request, seq=-1, prompt=prompt,
                     budget=min(request.max_tokens, self.context - len(prompt)) - len(request.replay),
                     choose=self._without_ends(sampler.choose) if request.ignore_eos else sampler.choose,
-                    accept=sampler.accept, replayed=sampler.replayed, explain=explain, node=node,
+                    accept=sampler.accept, replayed=sampler.replayed, explain=self.logprobs, node=node,
                     draft=self.draft(request, prompt))
 
     def draft(self, request: Generate, prompt: list[int]) -> Draft | None:
@@ -316,9 +311,8 @@ class Generator:
 
         return chosen
 
-    def logprobs(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
-        """The chosen token's log-probability and the ``top_n`` likeliest tokens', with their texts."""
-        found = logprobs(logits, token, top_n)
+    def logprobs(self, token: int, found: Logprobs) -> TokenLogprobs:
+        """A chosen token's log-probability and the likeliest tokens', with their texts."""
         return {**self._piece(token, found.logprob),
                 "top_logprobs": [self._piece(other, logprob) for other, logprob in found.top]}
 

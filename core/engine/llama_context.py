@@ -52,6 +52,18 @@ class LlamaContext:
         """The logits of the batch's ``index``-th entry, without a copy."""
         return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(self._n_vocab,))
 
+    def sampled(self, index: int) -> int:
+        """The token the node sampled for the batch's ``index``-th entry (-1: none)."""
+        return int(self._lib.llama_get_sampled_token_ith(self._ctx, index))
+
+    def sampled_report(self, index: int) -> np.ndarray | None:
+        """The logprobs the node reported with the ``index``-th entry's token (core.engine.chain.reported_logprobs
+        reads them); None: none."""
+        count = int(self._lib.llama_get_sampled_probs_count_ith(self._ctx, index))
+        if not count:
+            return None
+        return np.ctypeslib.as_array(self._lib.llama_get_sampled_probs_ith(self._ctx, index), shape=(count,)).copy()
+
     def forget(self, seq: int, start: int) -> None:
         """Drop a sequence's KV cells from ``start`` on."""
         self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
@@ -105,7 +117,3 @@ class LlamaEngine(LlamaContext):
     def detach(self, seq: int) -> None:
         """``seq``'s outputs are logits again."""
         self._lib.llama_set_sampler(self._ctx, seq, None)
-
-    def sampled(self, index: int) -> int:
-        """The token the node sampled for the batch's ``index``-th entry (-1: none)."""
-        return int(self._lib.llama_get_sampled_token_ith(self._ctx, index))

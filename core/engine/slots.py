@@ -44,6 +44,7 @@ from typing import Protocol
 
 import numpy as np
 
+from core.engine.chain import reported_logprobs
 from core.engine.protocol import (
     Answer,
     ComputeFailed,
@@ -56,6 +57,7 @@ from core.engine.protocol import (
     Token,
     TokenLogprobs,
 )
+from core.engine.sampling import Logprobs, logprobs
 from core.engine.step import Draft, Engine, Entry, NodeChain
 from core.model import INVARIANT_ROWS
 
@@ -117,7 +119,7 @@ class PersistentComputeFailure(Exception):
 
 
 Choose = Callable[[np.ndarray], int]  # a request's sampler: logits → token
-Explain = Callable[[np.ndarray, int], TokenLogprobs | None]  # the logprobs a request asked for, of a chosen token
+Explain = Callable[[int, Logprobs], TokenLogprobs]  # a chosen token's logprobs as the request gets them (texts)
 
 
 @dataclass
@@ -382,25 +384,26 @@ class Scheduler:
         if slot.generated >= slot.budget:
             self._finish(slot, "length")
             return None
-        node = slot.node
+        node, top_n = slot.node, slot.request.logprobs
+        found: Logprobs | None = None
         if node is not None:
             token = self.engine.sampled(index)
-            if token < 0:
-                raise RuntimeError("the output layer's node returned no sampled token")
-            logprobs = None
+            report = self.engine.sampled_report(index) if top_n is not None else None
+            if token < 0 or (top_n is not None and report is None):
+                missing = "sampled token" if token < 0 else "logprobs"
+                raise RuntimeError(f"the output layer's node returned no {missing}")
+            found = reported_logprobs(report, top_n) if report is not None and top_n is not None else None
         else:
             logits = self.engine.logits(index)
             token = slot.choose(logits)
+            found = logprobs(logits, token, top_n) if top_n is not None else None  # before the next step's logits
         if self.engine.is_end(token):
             self._finish(slot, "stop")
             return None
-        if node is not None:
-            node.accept(token)
-        else:
-            slot.accept(token)
-            logprobs = slot.explain(logits, token)  # read before the next step overwrites the logits
+        (node.accept if node is not None else slot.accept)(token)
         slot.generated += 1
-        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)), logprobs, batch))
+        self.emit(Token(slot.rid, token, slot.decoder.decode(self.engine.text(token)),
+                        slot.explain(token, found) if found is not None else None, batch))
         if slot.draft is not None:
             slot.draft.add(token)
         if slot.generated < slot.budget:

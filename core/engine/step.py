@@ -114,6 +114,10 @@ class Engine(Protocol):
         """The token sampled on the node for the batch's ``index``-th entry."""
         ...
 
+    def sampled_report(self, index: int) -> np.ndarray | None:
+        """The logprobs reported with that token (core.engine.chain.reported_logprobs); None: none."""
+        ...
+
     def is_end(self, token: int) -> bool:
         """Whether ``token`` ends generation (end of text, end of turn)."""
         ...
