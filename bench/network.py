@@ -6,6 +6,8 @@ For each link profile (unshaped; lan: 1 Gbit, 0.25 ms each way; wifi: 100 Mbit, 
 them, `down --keep-workers` leaves them), alternating which goes first each round:
 - ``node``: ggml-cluster over ssh, tokens sampled on the output node (`sampling: node`), `speculative: off`;
 - ``coordinator``: the same with `sampling: coordinator` (every logit of every token crosses the link);
+- ``direct``: the node arm with `transport: direct` (the coordinator reaches each worker on the node's address,
+  no SSH): on links without delay alone, since the bed puts a link's delay in a proxy in front of each sshd;
 - ``ngram``: the defaults, `sampling: node` and `speculative: ngram` (drafts verified in the step), with the
   drafted and kept tokens;
 - ``logprobs``: the node arm, its request through the API with `logprobs: 5` (the likeliest 5 tokens' logprobs
@@ -62,7 +64,9 @@ from tests.sshd import listening_in
 ARMS = {"node": ["sampling: node", "speculative: off"], "coordinator": ["sampling: coordinator", "speculative: off"],
         "ngram": ["sampling: node", "speculative: ngram"],
         "logprobs": ["sampling: node", "speculative: off"],  # the node arm, its request with logprobs 5 (the API)
-        "penalties": ["sampling: node", "speculative: ngram"]}  # the defaults, its request penalised (the API)
+        "penalties": ["sampling: node", "speculative: ngram"],  # the defaults, its request penalised (the API)
+        "direct": ["sampling: node", "speculative: off"]}  # the node arm, every node with transport: direct
+DIRECT = "direct"
 LOGPROBS = 5
 # The fields of the arms' requests that go through the API (the others use `run`).
 API_FIELDS: dict[str, dict[str, float]] = {"logprobs": {"logprobs": LOGPROBS},
@@ -101,7 +105,8 @@ def arm_cluster(bed: NetBed, root: Path, arm: str, nodes: int, ports: list[int],
     return Cluster(root / arm, nodes=nodes, ssh=[bed.node_lines(index) for index in range(nodes)],
                    base_env=bed.env(), prefix=bed.prefix, strategy="compute" if arm == PLANNED else "equal",
                    ports=ports, context=1024, top=[f"model: {model}", *ARMS.get(arm, ARMS["ngram"])],
-                   defaults=[f"workdir: {root / 'nodes'}"], api="{port: 0, parallel: 1}")
+                   defaults=[f"workdir: {root / 'nodes'}", *(["transport: direct"] if arm == DIRECT else [])],
+                   api="{port: 0, parallel: 1}")
 
 
 def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
@@ -235,8 +240,9 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
     root = Path(tempfile.mkdtemp(prefix="bench-net-", dir="/tmp"))
     bed = NetBed(root / "bed", args.nodes, profile)
     ports = [free_port() for _ in range(args.nodes)]
+    delayed = PROFILES[profile].delay_ms > 0  # the delay is a proxy in front of sshd: `direct` would skip it
     clusters = {arm: arm_cluster(bed, root, arm, args.nodes, ports, model)
-                for arm in NAMES + ((PLANNED,) if args.plan else ())}
+                for arm in NAMES + ((PLANNED,) if args.plan else ()) if not (arm == DIRECT and delayed)}
     names = tuple(clusters) + (LLAMA if args.llama else ())
     server_log = root.parent / f"{root.name}-llama-server.log"  # outside the bed's folder: kept if llama-server fails
     runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in names}
@@ -336,13 +342,16 @@ def main() -> int:
               f"{rates[profile, 'logprobs'] / rates[profile, 'node']:.2f}, penalties / ngram = "
               f"{rates[profile, 'penalties'] / rates[profile, 'ngram']:.2f} (before patches/0006 and 0007 both were "
               f"sampled as the coordinator arm is)")
+        if (profile, DIRECT) in rates:
+            print(f"{profile:<9} ssh / direct (sampling node) = {rates[profile, 'node'] / rates[profile, DIRECT]:.2f} "
+                  f"(goal >= 0.95)")
         if args.llama:
             server = "llama-server --backend-sampling"
             node, bench = rates[profile, "node"], rates[profile, "llama-bench"]
             print(f"{profile:<9} ggml-cluster node / llama-bench = {node / bench:.2f}, defaults (ngram) / {server} = "
                   f"{rates[profile, 'ngram'] / rates[profile, server]:.2f} (goal >= 1.0), node / {server} = "
                   f"{node / rates[profile, server]:.2f}")
-            texts = {runs[arm][-1]["text"] for arm in (*NAMES, *SERVERS)}
+            texts = {runs[arm][-1]["text"] for arm in (*NAMES, *SERVERS) if arm in runs and arm != "penalties"}
             print(f"{profile:<9} greedy texts of ggml-cluster's and llama-server's arms: "
                   f"{'all the same' if len(texts) == 1 else f'{len(texts)} different'}")
     if "unshaped" in results:
