@@ -107,6 +107,37 @@ def test_a_profile_the_node_no_longer_matches_is_corrected_from_live_numbers_and
     assert bed.leftovers() == []
 
 
+def test_a_slow_link_costs_the_output_node_what_it_sends_when_it_samples() -> None:
+    """The real model (1 MiB of logits a token), n1 behind a 100 Mbit link. Sampled on the node (the default), a
+    token sends only itself: n1's output layer costs a round trip more than n0's, not the 84 ms its logits would
+    take on that link, and its layers cost what n0's do. Sampled on the coordinator, the logits do cross, and the
+    profile (cached apart) says so."""
+    from tests.realmodel import real_model
+
+    needs_bed()
+    root = Path(tempfile.mkdtemp(prefix="gcl-", dir="/tmp"))
+    with netbed(root / "bed", 2, links={1: "wifi"}) as bed:
+        def profiled(sampling: str) -> dict[str, dict]:
+            (root / sampling).mkdir()
+            cluster = Cluster(root / sampling, nodes=2, ssh=[bed.node_lines(index) for index in range(2)],
+                              base_env=bed.env(), prefix=bed.prefix, strategy=None, context=1024,
+                              top=[f"model: {real_model()}", f"sampling: {sampling}"],
+                              defaults=[f"workdir: {root / 'nodes'}"])
+            try:
+                cluster.cli("up")
+                cluster.cli("profile")  # measured now, not an earlier run's cache
+                return {node["name"]: node for node in cluster.status()["nodes"]}
+            finally:
+                cluster.cli("down", check=False)
+
+        on_node = profiled("node")
+        assert on_node["n1"]["output_ms"] - on_node["n0"]["output_ms"] < 30
+        assert on_node["n1"]["layer_ms"] < 1.5 * on_node["n0"]["layer_ms"]
+        here = profiled("coordinator")
+        assert here["n1"]["output_ms"] - here["n0"]["output_ms"] > 60  # 1 MiB at 100 Mbit: 84 ms
+    assert bed.leftovers() == []
+
+
 def _moved(status: dict) -> bool:
     """The coordinator serves again, on n0 alone."""
     return (status["coordinator"]["state"] == "ready"

@@ -88,10 +88,11 @@ class Placement:
 
     def _target(self, runtime: NodeRuntime, capacity: NodeCapacity) -> Target:
         node, spec = runtime.node, runtime.spec
-        # Same node, same path to it, same worker build and settings, same graph, same model file: same speed.
+        # Same node, same path to it, same worker build and settings, same graph, same model file, tokens sampled
+        # in the same place: same speed.
         identity = [node.name, node.kind, node.host, node.port, node.user, node.transport, runtime.status.backend,
                     spec.binary if spec else "", spec.threads if spec else None, self.protocol,
-                    f"flash_attn={FLASH_ATTENTION}"]
+                    f"flash_attn={FLASH_ATTENTION}", f"sampling={self.inventory.sampling}"]
         endpoint = runtime.relayed or ("", 0)  # timed on the coordinator's own path to the worker
         return Target(node.name, f"{endpoint[0]}:{endpoint[1]}", profile_key(identity, self._model_id),
                       capacity.usable)
@@ -102,10 +103,10 @@ class Placement:
         targets = [self._target(runtime, capacity) for runtime, capacity in zip(usable, capacities, strict=True)]
         self.keys = {target.name: target.key for target in targets}
         refresh, self.remeasure = self.remeasure, False
-        overhead_key = profile_key(["coordinator", platform.node(), 1], self._model_id)
+        overhead_key = profile_key(["coordinator", platform.node(), 1, self.inventory.sampling], self._model_id)
         try:
             profiles = await measure(self.model, targets, self.cache, overhead_key, self.state.profile_log,
-                                     refresh=refresh)
+                                     refresh=refresh, sampling=self.inventory.sampling)
         except ProfileError as exc:
             self.log.record("profile-failed", f"{exc}; placing layers by free memory instead")
             return None

@@ -7,8 +7,9 @@ the machine cancels out of the difference. The slope is the node's time per byte
 whole token a step without logits times what a step costs with (nearly) nothing computed: the node's fixed cost
 (round trips, dispatch, the coordinator's own work); the rest of a token is the output layer on that node.
 One extra run with two nodes separates the coordinator's share, so that a plan over several nodes counts it
-once. All nodes load at once; their timed steps run one node at a time. Results are cached per (node, model,
-build) and re-measured on request.
+once. Tokens are chosen where the cluster will choose them (``sampling``): the output layer's cost on a node holds
+what its step sends, the token alone or every logit. All nodes load at once; their timed steps run one node at a
+time. Results are cached per (node, model, build, sampling) and re-measured on request.
 
 The timed runs happen in child processes (``python -m core.engine.timing``) for the same reason the
 coordinator is one: llama.cpp aborts when a worker goes away.
@@ -46,7 +47,7 @@ class NodeProfile:
     seconds_per_byte: float  # of layer weights
     measured_at: float
     samples: int             # timed tokens behind each depth
-    output_s: float = 0.0    # the output layer, the logits it sends and their sampling, per token
+    output_s: float = 0.0    # the output layer, what it sends (the token, or the logits) and the sampling, per token
     source: str = "timed"    # timed (by the profiler) | live (corrected from the relay's times while serving)
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,7 +69,9 @@ def model_fingerprint(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-PROFILE_VERSION = 2  # 2: the output layer timed on its own; older cached profiles are measured again
+# 2: the output layer timed on its own; 3: sampled where the cluster samples (before, the logits always crossed the
+# node's link); older cached profiles are measured again
+PROFILE_VERSION = 3
 
 
 def profile_key(node_identity: Sequence[object], model_id: str) -> str:
@@ -224,8 +227,9 @@ class Profiles:
 
 
 async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCache, overhead_key: str,
-                  log_path: Path, *, threads: int = 1, refresh: bool = False) -> Profiles:
-    """Profiles of ``targets`` from the cache, timing the missing ones (all of them with ``refresh``)."""
+                  log_path: Path, *, threads: int = 1, refresh: bool = False, sampling: str = "node") -> Profiles:
+    """Profiles of ``targets`` from the cache, timing the missing ones (all of them with ``refresh``), tokens
+    sampled as ``sampling`` says (inventory ``sampling``: node or coordinator; the targets' keys tell them apart)."""
     nodes: dict[str, NodeProfile | None] = {}
     if not refresh:
         nodes = {target.name: profile for target in targets if (profile := cache.load(target.key)) is not None}
@@ -245,7 +249,8 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         jobs = [Job(tuple(Layout(cut[depth], one_hot(len(targets), index, depth))
                           for depth in dict.fromkeys(depths[targets[index].name] or ())))
                 for index in todo]
-        seconds = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs))
+        seconds = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs),
+                                 sampling=sampling)
         for timed_s, index in zip(seconds, todo, strict=True):
             target = targets[index]
             node_depths = depths[target.name] or (low, low)
@@ -266,7 +271,7 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         counts[first] = counts[second] = low
         pair_model = str(await asyncio.to_thread(cut_model, model.path, 2 * low, cut_folder))
         [([pair_s], _)] = await run_jobs(endpoints, [Job((Layout(pair_model, tuple(counts)),))], threads, log_path,
-                                    JOB_TIMEOUT_S)
+                                    JOB_TIMEOUT_S, sampling=sampling)
         first_profile, second_profile = nodes[targets[first].name], nodes[targets[second].name]
         assert first_profile is not None and second_profile is not None
         overhead = fit_overhead(model, first_profile, second_profile, pair_s, low)
@@ -275,14 +280,14 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
 
 
 async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, log_path: Path,
-                   timeout: float) -> list[tuple[list[float], list[float]]]:
+                   timeout: float, *, sampling: str = "node") -> list[tuple[list[float], list[float]]]:
     """Mean seconds per token of each layout of each job: whole tokens, and the same steps without logits.
 
     Each job runs in a child of its own that connects only to the workers its layouts use, so all of them load
     at once (a load is mostly transfer and set-up, and a worker serves one client at a time); then they are
     timed one after another, so that no job's timed steps compete with another's for a shared machine.
     """
-    children = [_JobChild(endpoints, job, threads) for job in jobs]
+    children = [_JobChild(endpoints, job, threads, sampling) for job in jobs]
     try:
         async with asyncio.timeout(timeout):
             with log_path.open("ab") as log:
@@ -306,9 +311,9 @@ async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, 
 class _JobChild:
     """One job's child process: it loads its layouts, says so, and times them when released."""
 
-    def __init__(self, endpoints: Sequence[str], job: Job, threads: int) -> None:
+    def __init__(self, endpoints: Sequence[str], job: Job, threads: int, sampling: str) -> None:
         used = [index for index in range(len(endpoints)) if any(layout.counts[index] for layout in job.layouts)]
-        self.config = {"endpoints": [endpoints[index] for index in used], "threads": threads,
+        self.config = {"endpoints": [endpoints[index] for index in used], "threads": threads, "sampling": sampling,
                        "job": [{"model": layout.model, "counts": [layout.counts[index] for index in used]}
                                for layout in job.layouts]}
         self.process: asyncio.subprocess.Process | None = None

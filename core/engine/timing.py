@@ -3,6 +3,9 @@
 Started by core.engine.profile (``python -m core.engine.timing CONFIG``), one per job, apart from the controller
 because llama.cpp aborts when a worker goes away. It loads, says so, waits to be released (so that jobs load at
 once but are timed one at a time), then times every layout in turn and answers with the mean seconds per step.
+Tokens are chosen where the cluster chooses them (inventory ``sampling``): on the node that holds the output layer,
+whose step then sends only the token, or here from the logits it sends; over a slow link the two differ by the
+logits' time on the link (1 MiB a token for a 262k vocabulary).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from core.engine.chain import NodeSampler
 from core.engine.coordinator import FLASH_ATTENTION, emit
-from core.engine.llama_context import last_logits
+from core.engine.llama_context import LlamaContext, last_logits
 from core.engine.protocol import Generate, Token
 from core.engine.rpc_client import register_rpc_servers
-from core.engine.sampling import Sampler, SamplingParams
+from core.engine.sampling import Sampler, SamplingParams, chain_seed
+from core.engine.step import Entry
 from core.planner import PROFILE_BATCH, PROFILE_CONTEXT, split_for_counts
 
 WARMUP_TOKENS = 4  # first decode steps allocate and warm caches
@@ -39,7 +44,8 @@ class Layout:
 class TimedRun:
     """One layout loaded in the child, stepping exactly as the coordinator does per token."""
 
-    def __init__(self, layout: Layout, threads: int) -> None:
+    def __init__(self, layout: Layout, threads: int, on_node: bool) -> None:
+        """``on_node``: tokens sampled on the output layer's node (``sampling: node``), as the cluster serves."""
         import llama_cpp
 
         self._lib = llama_cpp
@@ -53,34 +59,53 @@ class TimedRun:
         self.llm.eval([self.llm.token_bos()])
         self.current = last_logits(self._lib, self.llm, self.n_vocab)
         self.token = self.llm.token_bos()
-        self._batch = llama_cpp.llama_batch_init(1, 0, 1)
-        self.sampler = Sampler(SamplingParams.of(Generate(0, TIMED_TOKENS)))  # greedy, as a request at temperature 0
+        self._context = LlamaContext(llama_cpp, self.llm.ctx, llama_cpp.llama_model_get_vocab(self.llm.model),
+                                     self.n_vocab, 1)
+        params = SamplingParams.of(Generate(0, TIMED_TOKENS))  # greedy, as a request at temperature 0
+        self.sampler = Sampler(params)
+        self.chosen = self.sampler.choose(self.current)  # the next token; later ones sampled on the node, if there
+        self.node = self._attach(params) if on_node else None
+
+    def _attach(self, params: SamplingParams) -> NodeSampler | None:
+        """The request's chain on the output layer's device; None where that device cannot run it whole (the
+        cluster samples such a request from the logits here too)."""
+        lib = self._lib
+        node = NodeSampler(lib, params, chain_seed(params.seed), self.n_vocab)
+        if lib.llama_set_sampler(self.llm.ctx, 0, node.chain) and node.on_backend():
+            return node
+        lib.llama_set_sampler(self.llm.ctx, 0, None)
+        return None
 
     def close(self) -> None:
-        """Free the batch and the model."""
-        self._lib.llama_batch_free(self._batch)
+        """Free the model (the context's batch lives as long as the process)."""
+        if self.node is not None:
+            self._lib.llama_set_sampler(self.llm.ctx, 0, None)
         self.llm.close()
 
     def quiet_step(self) -> float:
         """Seconds of one decode step that asks for no logits: llama.cpp then computes (nearly) nothing, so this is
         the step's fixed cost (round trips, dispatch, the coordinator's own work)."""
         started = time.perf_counter()
-        batch = self._batch
-        batch.n_tokens = 1
-        batch.token[0], batch.pos[0], batch.n_seq_id[0] = self.token, self.llm.n_tokens, 1
-        batch.seq_id[0][0], batch.logits[0] = 0, False
-        if self._lib.llama_decode(self.llm.ctx, batch) != 0:
+        if self._context.decode([Entry(self.token, self.llm.n_tokens, 0, False)]) != 0:
             raise RuntimeError("a decode step without logits failed")
         self.llm.n_tokens += 1
         return time.perf_counter() - started
 
     def step(self, out: IO[str]) -> float:
-        """Seconds of one token: choose it, send its event, decode it, wait for the logits."""
+        """Seconds of one token: send the chosen one's event, decode it, and wait for the next: the token sampled
+        on the node, or the logits to choose it from here."""
         started = time.perf_counter()
-        token = self.token = self.sampler.choose(self.current)
+        token = self.token = self.chosen
         emit(out, Token(0, token, self.decoder.decode(self.llm.detokenize([token]))))  # as the coordinator does
-        self.llm.eval([token])
-        self.current = last_logits(self._lib, self.llm, self.n_vocab)
+        if self._context.decode([Entry(token, self.llm.n_tokens, 0, True)]) != 0:
+            raise RuntimeError("a decode step failed")
+        self.llm.n_tokens += 1
+        if self.node is not None:
+            self.node.accept(token)
+            self.chosen = self._context.sampled(0)
+        else:
+            self.sampler.accept(token)
+            self.chosen = self.sampler.choose(self._context.logits(0))
         return time.perf_counter() - started
 
 
@@ -107,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the profiling child: loads its job's layouts and says ``{"loaded": true}``, waits for a line
     on stdin, then times them and says ``{"seconds": [...]}``; ``{"error"}`` when it cannot."""
     parser = argparse.ArgumentParser(description="ggml-cluster profiler (started by the controller)")
-    parser.add_argument("config", help='{"endpoints": [...], "job": [{"model", "counts"}, ...], "threads"}')
+    parser.add_argument("config", help='{"endpoints": [...], "job": [{"model", "counts"}, ...], "threads", '
+                                       '"sampling": "node" | "coordinator"}')
     config = json.loads(parser.parse_args(argv).config)
     runs: list[TimedRun] = []
     try:
         register_rpc_servers(tuple(config["endpoints"]))
-        threads = int(config.get("threads", 1))
-        runs += [TimedRun(Layout(layout["model"], tuple(layout["counts"])), threads) for layout in config["job"]]
+        threads, on_node = int(config.get("threads", 1)), config.get("sampling") == "node"
+        runs += [TimedRun(Layout(layout["model"], tuple(layout["counts"])), threads, on_node)
+                 for layout in config["job"]]
         print(json.dumps({"loaded": True}), flush=True)
         sys.stdin.readline()
         steps, quiet = time_runs(runs, int(config.get("warmup", WARMUP_TOKENS)),
