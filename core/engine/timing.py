@@ -57,13 +57,13 @@ class TimedRun:
         self.n_vocab = self.llm.n_vocab()
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.llm.eval([self.llm.token_bos()])
-        self.current = last_logits(self._lib, self.llm, self.n_vocab)
         self.token = self.llm.token_bos()
         self._context = LlamaContext(llama_cpp, self.llm.ctx, llama_cpp.llama_model_get_vocab(self.llm.model),
                                      self.n_vocab, 1)
         params = SamplingParams.of(Generate(0, TIMED_TOKENS))  # greedy, as a request at temperature 0
         self.sampler = Sampler(params)
-        self.chosen = self.sampler.choose(self.current)  # the next token; later ones sampled on the node, if there
+        # the next token; later ones sampled on the node, if there
+        self.chosen = self.sampler.choose(last_logits(self._lib, self.llm, self.n_vocab))
         self.node = self._attach(params) if on_node else None
 
     def _attach(self, params: SamplingParams) -> NodeSampler | None:
