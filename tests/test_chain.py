@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,12 +139,19 @@ def test_a_report_reads_as_the_logprobs_the_coordinator_takes_from_the_logits() 
     assert reported_logprobs(np.array([0.0], dtype=np.float32), 0).logprob == -np.inf
 
 
-def test_the_graph_reports_the_sampled_tokens_logprobs_as_the_logits_give_them() -> None:
-    # patches/0006 on this machine's CPU backend: an output sampled in the graph with its logprobs, against the
-    # logits of the same step decoded without the chain
+@pytest.fixture(scope="module")
+def llm() -> Iterator[Any]:
+    """The demo model on this machine's CPU backend."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(demo_model(cache_dir())), n_gpu_layers=0, n_ctx=128, verbose=False)
+    model = llama_cpp.Llama(model_path=str(demo_model(cache_dir())), n_gpu_layers=0, n_ctx=128, verbose=False)
+    yield model
+    model.close()
+
+
+def test_the_graph_reports_the_sampled_tokens_logprobs_as_the_logits_give_them(llm: Any) -> None:
+    # patches/0006 on this machine's CPU backend: an output sampled in the graph with its logprobs, against the
+    # logits of the same step decoded without the chain
     vocab = lib.llama_model_get_vocab(llm.model)
     n_vocab = lib.llama_vocab_n_tokens(vocab)
     context = LlamaContext(lib, llm.ctx, vocab, n_vocab, 64)
@@ -168,13 +177,11 @@ def test_the_graph_reports_the_sampled_tokens_logprobs_as_the_logits_give_them()
     replace(BASE, temperature=0.0, repeat_penalty=1.5, presence_penalty=1.5, frequency_penalty=1.0, repeat_last_n=3),
     replace(BASE, temperature=1.2, top_k=40, repeat_penalty=1.3, frequency_penalty=0.5, repeat_last_n=3, seed=5),
 ], ids=["greedy", "seeded"])
-def test_each_output_of_a_step_counts_the_tokens_sampled_before_it_in_its_penalties(params: SamplingParams) -> None:
+def test_each_output_of_a_step_counts_the_tokens_sampled_before_it_in_its_penalties(llm: Any,
+                                                                                    params: SamplingParams) -> None:
     # patches/0007 on this machine's CPU backend: a step that verifies drafts has an output for each of its last
     # tokens, and the r-th output's penalties count the tokens sampled at the outputs before it, as the
     # coordinator's sampler does when it takes them one by one (the window of 3 drops the oldest as they come)
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(demo_model(cache_dir())), n_gpu_layers=0, n_ctx=128, verbose=False)
     vocab = lib.llama_model_get_vocab(llm.model)
     n_vocab = lib.llama_vocab_n_tokens(vocab)
     outputs = 5

@@ -64,6 +64,20 @@ class LlamaContext:
             return None
         return np.ctypeslib.as_array(self._lib.llama_get_sampled_probs_ith(self._ctx, index), shape=(count,)).copy()
 
+    def attach(self, seq: int, sampler: NodeChain) -> bool:
+        """Run ``sampler``'s chain on the output layer's device for ``seq`` (llama_set_sampler); False: it cannot
+        run there whole."""
+        if not self._lib.llama_set_sampler(self._ctx, seq, sampler.chain):
+            return False
+        if not sampler.on_backend():
+            self.detach(seq)
+            return False
+        return True
+
+    def detach(self, seq: int) -> None:
+        """``seq``'s outputs are logits again."""
+        self._lib.llama_set_sampler(self._ctx, seq, None)
+
     def forget(self, seq: int, start: int) -> None:
         """Drop a sequence's KV cells from ``start`` on."""
         self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
@@ -103,17 +117,3 @@ class LlamaEngine(LlamaContext):
     def text(self, token: int) -> bytes:
         """A token's bytes."""
         return bytes(self._llm.detokenize([token]))
-
-    def attach(self, seq: int, sampler: NodeChain) -> bool:
-        """Run ``sampler``'s chain on the output layer's device for ``seq`` (llama_set_sampler); False: it cannot
-        run there whole."""
-        if not self._lib.llama_set_sampler(self._ctx, seq, sampler.chain):
-            return False
-        if not sampler.on_backend():
-            self.detach(seq)
-            return False
-        return True
-
-    def detach(self, seq: int) -> None:
-        """``seq``'s outputs are logits again."""
-        self._lib.llama_set_sampler(self._ctx, seq, None)

@@ -388,11 +388,13 @@ class Scheduler:
         found: Logprobs | None = None
         if node is not None:
             token = self.engine.sampled(index)
-            report = self.engine.sampled_report(index) if top_n is not None else None
-            if token < 0 or (top_n is not None and report is None):
-                missing = "sampled token" if token < 0 else "logprobs"
-                raise RuntimeError(f"the output layer's node returned no {missing}")
-            found = reported_logprobs(report, top_n) if report is not None and top_n is not None else None
+            if token < 0:
+                raise RuntimeError("the output layer's node returned no sampled token")
+            if top_n is not None:
+                report = self.engine.sampled_report(index)
+                if report is None:
+                    raise RuntimeError("the output layer's node returned no logprobs")
+                found = reported_logprobs(report, top_n)
         else:
             logits = self.engine.logits(index)
             token = slot.choose(logits)

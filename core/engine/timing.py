@@ -64,22 +64,15 @@ class TimedRun:
         self.sampler = Sampler(params)
         # the next token; later ones sampled on the node, if there
         self.chosen = self.sampler.choose(last_logits(self._lib, self.llm, self.n_vocab))
-        self.node = self._attach(params) if on_node else None
-
-    def _attach(self, params: SamplingParams) -> NodeSampler | None:
-        """The request's chain on the output layer's device; None where that device cannot run it whole (the
-        cluster samples such a request from the logits here too)."""
-        lib = self._lib
-        node = NodeSampler(lib, params, chain_seed(params.seed), self.n_vocab)
-        if lib.llama_set_sampler(self.llm.ctx, 0, node.chain) and node.on_backend():
-            return node
-        lib.llama_set_sampler(self.llm.ctx, 0, None)
-        return None
+        # The request's chain on the output layer's device; None where that device cannot run it whole (the
+        # cluster samples such a request from the logits here too).
+        node = NodeSampler(llama_cpp, params, chain_seed(params.seed), self.n_vocab) if on_node else None
+        self.node = node if node is not None and self._context.attach(0, node) else None
 
     def close(self) -> None:
         """Free the model (the context's batch lives as long as the process)."""
         if self.node is not None:
-            self._lib.llama_set_sampler(self.llm.ctx, 0, None)
+            self._context.detach(0)
         self.llm.close()
 
     def quiet_step(self) -> float:
