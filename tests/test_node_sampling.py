@@ -112,3 +112,26 @@ def test_a_seeded_request_resumes_exactly_after_the_output_nodes_worker_is_kille
     assert result.returncode == 0, result.stderr
     assert text == clean
     assert cluster.worker_pid(output["name"]) != victim
+
+
+@pytest.mark.parametrize("sampling", [PENALISED, SEEDED_PENALISED], ids=["greedy-penalised", "seeded-penalised"])
+def test_a_penalised_request_resumes_exactly_after_the_output_nodes_worker_is_killed(cluster: Cluster,
+                                                                                     sampling: dict) -> None:
+    # The penalties' window is the accepted history the node's chain is given again after the restart, and the
+    # drafts of the replayed steps count the tokens before them as they did (patches/0007): any slip changes the text.
+    api = api_client(cluster)
+    clean = api.completions.create(model="any", prompt=PROMPT, max_tokens=96, **sampling).choices[0].text
+    output = output_node(cluster.status())
+    victim = cluster.worker_pid(output["name"])
+    status = cluster.status()
+    recoveries, counted = status["recoveries"], status["requests_sampled_on_coordinator"]
+    pieces: list[str] = []
+    for chunk in api.completions.create(model="any", prompt=PROMPT, max_tokens=96, stream=True, **sampling):
+        pieces.extend(choice.text for choice in chunk.choices)
+        if victim is not None and len(pieces) >= 8:
+            os.kill(victim, signal.SIGKILL)
+            victim = None
+    assert victim is None and "".join(pieces) == clean
+    status = cluster.status()
+    assert status["recoveries"] > recoveries
+    assert status["requests_sampled_on_coordinator"] == counted
