@@ -23,8 +23,10 @@ them, `down --keep-workers` leaves them), alternating which goes first each roun
   link. llama-server is asked greedy (`temperature: 0`) for the same prompt and tokens through /completion.
 Reported per arm: decode tok/s (first token to last, as `run` sees them; llama-server's `predicted_per_second`,
 llama-bench's `avg_ts`), time to first token (llama-server: its `prompt_ms`), bytes per token from and to each
-node (the relays' counters in `status`: ggml-cluster's arms only), and `up` (the first one on a bed starts the
-workers).
+node (the relays' counters in `status`: ggml-cluster's arms only), CPU ms per token by kind of process (workers,
+sshd, controller with its relays, coordinator) and the whole machine's, with how busy its cores were (bench/cpu.py:
+ggml-cluster's arms only; with `direct`, ssh's extra CPU a token beside its ratio), and `up` (the first one on a bed
+starts the workers).
 With ``--plan``, first: every node profiled (`profile`) and the compute strategy's plan for the bed (`plan
 --strategy compute`), the planner's choice on that link; then one arm more, ``planned``: the defaults as a user
 runs them after `profile` (`strategy: compute`, the planner's layout for that link, not the equal split).
@@ -53,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cpu import KINDS, Usage, sample, spent
 from parity import equal_split, llama_tool
 
 from tests.harness import CLI, Cluster, free_port, pid_in
@@ -109,11 +112,21 @@ def arm_cluster(bed: NetBed, root: Path, arm: str, nodes: int, ports: list[int],
                    api="{port: 0, parallel: 1}")
 
 
+def cpu_per_token(before: Usage, after: Usage, wall_s: float, tokens: int) -> dict[str, float]:
+    """Each kind of process's CPU ms per generated token over a request, and how busy the machine's cores were
+    (``load``, 1.0: every core all the time)."""
+    seconds = spent(before, after)
+    return {**{kind: seconds[kind] * 1000 / tokens for kind in (*KINDS, "machine")},
+            "load": seconds["machine"] / (wall_s * (os.cpu_count() or 1))}
+
+
 def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
-    """One greedy request: decode tok/s, first token (s), each node's bytes per token each way, and the tokens
-    drafted and kept."""
+    """One greedy request: decode tok/s, first token (s), each node's bytes per token each way, the tokens
+    drafted and kept, and the CPU each kind of process spent on it per token."""
     start = cluster.status()
+    cpu, began = sample(), time.monotonic()
     result = json.loads(cluster.cli("run", PROMPT, "-n", str(tokens), "--json").stdout)
+    cpu_used = cpu_per_token(cpu, sample(), time.monotonic() - began, result["completion_tokens"])
     end = cluster.status()
     before, after = start["nodes"], end["nodes"]
     timings = result["timings"]
@@ -124,16 +137,19 @@ def measure(cluster: Cluster, tokens: int) -> dict[str, object]:
             "from": [(now["bytes_from"] - then["bytes_from"]) / generated for then, now in pairs],
             "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs],
             "drafted": end["tokens_drafted"] - start["tokens_drafted"],
-            "kept": end["tokens_accepted"] - start["tokens_accepted"], "text": result["text"]}
+            "kept": end["tokens_accepted"] - start["tokens_accepted"], "text": result["text"], "cpu": cpu_used}
 
 
 def measure_api(bed: NetBed, cluster: Cluster, tokens: int, fields: dict[str, float]) -> dict[str, object]:
     """One greedy request through the API with ``fields`` (logprobs, penalties: `run` has neither): decode tok/s
-    and first token as the client sees them, each node's bytes per token each way, and the tokens drafted and kept."""
+    and first token as the client sees them, each node's bytes per token each way, the tokens drafted and kept, and
+    the CPU each kind of process spent on it per token (the client's own among the machine's)."""
     start = cluster.status()
+    cpu, began = sample(), time.monotonic()
     answer = subprocess.run([*bed.prefix, sys.executable, "-c", API_REQUEST, f"http://{start['api_endpoint']}/v1",
                              PROMPT, str(tokens), json.dumps(fields)], capture_output=True, text=True, check=True)
     result = json.loads(answer.stdout)
+    cpu_used = cpu_per_token(cpu, sample(), time.monotonic() - began, result["tokens"])
     end = cluster.status()
     pairs = list(zip(start["nodes"], end["nodes"], strict=True))
     generated = result["tokens"]
@@ -141,7 +157,7 @@ def measure_api(bed: NetBed, cluster: Cluster, tokens: int, fields: dict[str, fl
             "from": [(now["bytes_from"] - then["bytes_from"]) / generated for then, now in pairs],
             "to": [(now["bytes_to"] - then["bytes_to"]) / generated for then, now in pairs],
             "drafted": end["tokens_drafted"] - start["tokens_drafted"],
-            "kept": end["tokens_accepted"] - start["tokens_accepted"], "text": result["text"]}
+            "kept": end["tokens_accepted"] - start["tokens_accepted"], "text": result["text"], "cpu": cpu_used}
 
 
 def faulted(cluster: Cluster, fault: object, tokens: int) -> tuple[float | None, str]:
@@ -293,6 +309,12 @@ def run_profile(profile: str, args: argparse.Namespace, model: Path) -> dict[str
     return runs
 
 
+def cpu_line(used: dict[str, float]) -> str:
+    """CPU ms per token by kind of process, the machine's, and its cores' load."""
+    return (f"{' '.join(f'{kind} {used[kind]:.1f}' for kind in KINDS)} machine {used['machine']:.1f} "
+            f"(cores {used['load']:.0%} busy)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=2)
@@ -317,6 +339,7 @@ def main() -> int:
         return 0
     print(f"\nmodel {model.name}, {args.nodes} ssh nodes, equal split, {args.tokens} tokens, {args.rounds} rounds")
     rates: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], dict[str, float]] = {}
     for profile, runs in results.items():
         shape = PROFILES[profile]
         link = f"{shape.rate or 'unshaped'}, {shape.delay_ms:g} ms each way"
@@ -336,6 +359,10 @@ def main() -> int:
                          f"to nodes {' / '.join(f'{value:,.0f}' for value in received)}")
             if measured[-1]["drafted"] is not None:
                 line += f"  drafted / kept {measured[-1]['drafted']} / {measured[-1]['kept']}"
+            if "cpu" in measured[-1]:
+                cpu[profile, arm] = {kind: statistics.median(run["cpu"][kind] for run in measured)  # type: ignore[index]
+                                     for kind in measured[-1]["cpu"]}  # type: ignore[attr-defined]
+                line += f"  CPU ms/token {cpu_line(cpu[profile, arm])}"
             print(line)
         print(f"{profile:<9} node / coordinator = {rates[profile, 'node'] / rates[profile, 'coordinator']:.2f}, "
               f"ngram / node = {rates[profile, 'ngram'] / rates[profile, 'node']:.2f}, logprobs {LOGPROBS} / node = "
@@ -343,8 +370,11 @@ def main() -> int:
               f"{rates[profile, 'penalties'] / rates[profile, 'ngram']:.2f} (before patches/0006 and 0007 both were "
               f"sampled as the coordinator arm is)")
         if (profile, DIRECT) in rates:
+            ssh, direct = cpu[profile, "node"], cpu[profile, DIRECT]
             print(f"{profile:<9} ssh / direct (sampling node) = {rates[profile, 'node'] / rates[profile, DIRECT]:.2f} "
-                  f"(goal >= 0.95)")
+                  f"(goal >= 0.95); CPU ms a token ssh - direct: "
+                  f"{', '.join(f'{kind} {ssh[kind] - direct[kind]:+.2f}' for kind in (*KINDS, 'machine'))}; "
+                  f"cores busy {ssh['load']:.0%} (ssh) and {direct['load']:.0%} (direct)")
         if args.llama:
             server = "llama-server --backend-sampling"
             node, bench = rates[profile, "node"], rates[profile, "llama-bench"]
