@@ -24,8 +24,9 @@ def kind_of(comm: str, cmdline: list[str]) -> str | None:
         return "workers"
     if comm.startswith("sshd"):
         return "sshd"
-    if "-m" in cmdline:
-        module = cmdline[cmdline.index("-m") + 1] if cmdline.index("-m") + 1 < len(cmdline) else ""
+    if "-m" in cmdline:  # the controller and the coordinator run as `python -m MODULE`
+        after = cmdline.index("-m") + 1
+        module = cmdline[after] if after < len(cmdline) else ""
         if module == "core.controller":
             return "controller"
         if module.startswith("core.engine."):
