@@ -11,8 +11,13 @@ read it over a request of many tokens.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from core.nodes.sample import parse_proc
 
 TICK = os.sysconf("SC_CLK_TCK")
 KINDS = ("workers", "sshd", "controller", "coordinator")
@@ -55,12 +60,10 @@ def sample() -> Usage:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # gone between the listing and the read
             continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        kind = kind_of(comm, cmdline)
-        if kind is None:
-            continue
-        after_comm = stat[stat.rindex(")") + 2:].split()
-        usage.processes[int(entry.name)] = (kind, (int(after_comm[11]) + int(after_comm[12])) / TICK)
+        kind = kind_of(stat[stat.index("(") + 1:stat.rindex(")")], cmdline)
+        cpu_s = parse_proc(f"{stat.strip()}\n{TICK}")[0] if kind is not None else None
+        if kind is not None and cpu_s is not None:
+            usage.processes[int(entry.name)] = (kind, cpu_s)
     return usage
 
 

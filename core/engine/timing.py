@@ -66,8 +66,11 @@ class TimedRun:
         self.chosen = self.sampler.choose(last_logits(self._lib, self.llm, self.n_vocab))
         # The request's chain on the output layer's device; None where that device cannot run it whole (the
         # cluster samples such a request from the logits here too).
-        node = NodeSampler(llama_cpp, params, chain_seed(params.seed), self.n_vocab) if on_node else None
-        self.node = node if node is not None and self._context.attach(0, node) else None
+        self.node: NodeSampler | None = None
+        if on_node:
+            node = NodeSampler(llama_cpp, params, chain_seed(params.seed), self.n_vocab)
+            if self._context.attach(0, node):
+                self.node = node
 
     def close(self) -> None:
         """Free the model (the context's batch lives as long as the process)."""
