@@ -346,7 +346,11 @@ def slots_note(slots: int, parallel: int | str) -> str:
 
 # --- what the profiler measures ------------------------------------------------------------------------
 
-DEPTHS = (1, 3)        # layers on the node in the two layouts the profiler times side by side
+DEPTHS = (1, 3)        # layers on the node in the two layouts the profiler times side by side (at least)
+# The layers the second layout adds weigh at least this share of the first one's bytes (its layers and the output
+# layer), so that their time stands out of a token's noise: a 262k vocabulary's output layer outweighs each layer
+# of a 270M model 47 to 1, and two layers more would be 4 % of a token.
+SLOPE_SHARE = 0.25
 PROFILE_CONTEXT = 256  # enough for the timed steps; attention over a few cells costs the same
 PROFILE_BATCH = 8      # the profiler decodes one token at a time: no room for a prompt's logits
 
@@ -354,7 +358,8 @@ PROFILE_BATCH = 8      # the profiler decodes one token at a time: no room for a
 def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
     """The two depths to time on a node with ``usable`` bytes; None when it cannot hold one layer.
 
-    A one-layer model, or a node that holds only one layer, can only be timed at one depth.
+    The second holds enough layers more to weigh ``SLOPE_SHARE`` of the first, where the node can hold both. A
+    one-layer model, or a node that holds only one layer, can only be timed at one depth.
     """
     def need(depth: int) -> int:
         return device_bytes(model, (0, depth - 1), PROFILE_CONTEXT, output=True, batch=PROFILE_BATCH)
@@ -362,7 +367,11 @@ def depths_for(model: ModelFacts, usable: int) -> tuple[int, int] | None:
     low = min(DEPTHS[0], model.n_layers)
     if need(low) > usable:
         return None
-    high = min(DEPTHS[1], model.n_layers)
+    weight = SLOPE_SHARE * (sum(model.layer_bytes[:low]) + model.output_bytes)
+    high = DEPTHS[1]
+    while high < model.n_layers and sum(model.layer_bytes[low:high]) < weight:
+        high += 1
+    high = min(high, model.n_layers)
     while high > low and need(low) + need(high) > usable:  # both are loaded at once
         high -= 1
     return low, high

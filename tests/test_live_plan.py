@@ -97,7 +97,10 @@ def test_a_profile_the_node_no_longer_matches_is_corrected_from_live_numbers_and
             assert _moved(status)
             fixed = json.loads(path.read_text())
             assert fixed["source"] == "live" and fixed["measured_at"] > claim["measured_at"] + 86400
-            assert fixed["fixed_s"] > 10 * claim["fixed_s"]  # back near what was measured over the link
+            # Rescaled back near what was measured over the link (the claim's fixed cost is below the coordinator's
+            # share, which stays, so the factor shows on the node's per-byte and output costs).
+            assert fixed["fixed_s"] >= claim["fixed_s"]
+            assert all(fixed[field] > 10 * claim[field] for field in ("seconds_per_byte", "output_s"))
             # `plan` shows the corrected profile's age, and the text is what it was before the move.
             row = plan_rows(cluster)["n1"]
             assert row["profile_age_s"] < 3600 and "corrected from live times" in row["why"]
@@ -111,7 +114,7 @@ def test_a_slow_link_costs_the_output_node_what_it_sends_when_it_samples() -> No
     """The real model (1 MiB of logits a token), n1 behind a 100 Mbit link. Sampled on the node (the default), a
     token sends only itself: n1's output layer costs a round trip more than n0's, not the 84 ms its logits would
     take on that link, and its layers cost what n0's do. Sampled on the coordinator, the logits do cross, and the
-    profile (cached apart) says so."""
+    profile (cached apart) charges them to the output layer alone."""
     from tests.realmodel import real_model
 
     needs_bed()
@@ -131,10 +134,15 @@ def test_a_slow_link_costs_the_output_node_what_it_sends_when_it_samples() -> No
                 cluster.cli("down", check=False)
 
         on_node = profiled("node")
-        assert on_node["n1"]["output_ms"] - on_node["n0"]["output_ms"] < 30
-        assert on_node["n1"]["layer_ms"] < 1.5 * on_node["n0"]["layer_ms"]
+        assert on_node["n1"]["output_ms"] - on_node["n0"]["output_ms"] < 30, on_node
         here = profiled("coordinator")
-        assert here["n1"]["output_ms"] - here["n0"]["output_ms"] > 60  # 1 MiB at 100 Mbit: 84 ms
+        link_ms = here["n1"]["output_ms"] - here["n0"]["output_ms"]
+        assert link_ms > 60, here  # 1 MiB at 100 Mbit: 84 ms
+        # What n1 waits on its link is its output layer's alone: all its layers cost what n0's do, within a fifth
+        # of that wait (charged to them by bytes, as the whole token's rate, it was 2 ms a layer: 36 ms).
+        n_layers = read_model(real_model()).n_layers
+        for profiles in (on_node, here):
+            assert abs(profiles["n1"]["layer_ms"] - profiles["n0"]["layer_ms"]) * n_layers < link_ms / 5, profiles
     assert bed.leftovers() == []
 
 

@@ -17,6 +17,7 @@ from core.engine.profile import (
     node_speed,
     profile_key,
 )
+from core.engine.timing import difference_error
 from core.errors import ProfileError
 from core.model import ModelFacts, read_model, write_demo_model
 from core.planner import NodeCapacity, depths_for, plan_compute
@@ -71,13 +72,54 @@ def test_fit_node_separates_fixed_cost_layers_and_output() -> None:
     assert profile.output_s == pytest.approx(0.0002)
 
 
-def test_a_slope_lost_in_noise_is_floored_by_the_tokens_bytes() -> None:
+def test_a_slope_lost_in_noise_is_charged_what_the_noise_could_hide() -> None:
     model = facts()
-    # The three-layer layout timed faster than the one-layer one (the machine's noise): the layers cost at least
-    # what the whole token costs per byte, less its fixed cost (5.5 ms over 10 + 2 MiB).
-    profile = fit_node(model, (0.0075, 0.0074), (0.002, 0.002), (1, 3), 40)
+    # The three-layer layout timed faster than the one-layer one, within the noise (standard error 0.5 ms): the
+    # two layers cost no more than the 1 ms the noise could hide.
+    profile = fit_node(model, (0.0075, 0.0074), (0.002, 0.002), (1, 3), 40, difference_se=0.0005)
+    assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.0005)
+    assert profile.output_s == pytest.approx(0.005)
+    # A noise larger than the whole token: no more than the token's bytes at one rate (5.5 ms over 10 + 2 MiB).
+    profile = fit_node(model, (0.0075, 0.0074), (0.002, 0.002), (1, 3), 40, difference_se=0.01)
     assert profile.seconds_per_byte * 12 * MIB == pytest.approx(0.0055)
-    assert profile.output_s == pytest.approx(0.0055 * 2 / 12)
+
+
+def test_a_resolved_slope_keeps_the_links_cost_off_the_layers() -> None:
+    model = facts()
+    # 1 ms per 10 MiB layer, measured well (the depths' difference stands 20x out of its noise), and an output
+    # step that also waits 20 ms for what crosses a slow link. The link is the output layer's cost, not the
+    # layers': the bytes' floor (22 ms over 12 MiB) would make every layer cost 18 ms.
+    profile = fit_node(model, (0.023, 0.025), (0.001, 0.001), (1, 3), 64, difference_se=0.0001)
+    assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.001)
+    assert profile.output_s == pytest.approx(0.021)
+
+
+def test_the_links_round_trip_is_a_fixed_cost_not_the_output_layers() -> None:
+    model = facts()
+    # A node 20 ms away: every token waits that once on it, for its output or for the next node's input, while
+    # the step without logits never waits on it (llama.cpp reads nothing back). Its whole tokens hold it.
+    near = fit_node(model, (0.0037, 0.0067), (0.002, 0.002), (1, 3), 40, round_trip_s=0.0)
+    far = fit_node(model, (0.0237, 0.0267), (0.002, 0.002), (1, 3), 40, round_trip_s=0.02)
+    assert far.fixed_s == pytest.approx(near.fixed_s + 0.02)
+    assert far.output_s == pytest.approx(near.output_s)
+    assert far.seconds_per_byte == pytest.approx(near.seconds_per_byte)
+
+
+def test_a_slope_within_its_noise_is_charged_the_noise_not_the_links_wait() -> None:
+    model = facts()
+    # The same times, but the 2 ms difference is within twice its standard error (3 ms): the layers cost no more
+    # than that, and still not the link's 20 ms.
+    profile = fit_node(model, (0.023, 0.025), (0.001, 0.001), (1, 3), 64, difference_se=0.0015)
+    assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.0015)
+
+
+def test_the_depths_difference_is_as_sure_as_its_paired_tokens() -> None:
+    # Drift that hits both layouts alike cancels out of each pair: only the pairs' own spread counts.
+    first = [0.010, 0.020, 0.030, 0.040]
+    assert difference_error(first, [value + 0.002 for value in first]) == pytest.approx(0.0)
+    # differences 1, 3, 1, 3 ms: a standard deviation of 1.15 ms, over the root of 4 pairs
+    assert difference_error(first, [0.011, 0.023, 0.031, 0.043]) == pytest.approx(0.001 / math.sqrt(3))
+    assert difference_error([0.01], [0.02]) == 0.0
 
 
 def test_fit_node_with_one_depth_charges_the_token_by_bytes() -> None:
@@ -109,6 +151,14 @@ def test_depths_fit_the_node() -> None:
     assert depths_for(model, 40 * MIB) == (1, 2)
     assert depths_for(model, 30 * MIB) == (1, 1)  # one depth: no slope, charged to the layers
     assert depths_for(model, 12 * MIB) is None  # one layer and the output do not fit
+
+
+def test_a_deep_second_layout_when_the_output_layer_outweighs_the_layers() -> None:
+    # 1 MiB layers under a 40 MiB output layer (a small model with a large vocabulary): two layers more would be
+    # lost in a token's noise, so the second layout holds enough layers to weigh a quarter of the first one.
+    model = facts(n_layers=18, layer=MIB, output=40 * MIB)
+    assert depths_for(model, 1 << 30) == (1, 12)
+    assert depths_for(facts(), 1 << 30) == (1, 3)  # layers that weigh enough: the usual two more
 
 
 def test_a_node_that_cannot_hold_a_layer_is_never_chosen() -> None:

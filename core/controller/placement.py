@@ -94,8 +94,9 @@ class Placement:
                     spec.binary if spec else "", spec.threads if spec else None, self.protocol,
                     f"flash_attn={FLASH_ATTENTION}", f"sampling={self.inventory.sampling}"]
         endpoint = runtime.relayed or ("", 0)  # timed on the coordinator's own path to the worker
+        rtt_ms = runtime.status.rtt_ms
         return Target(node.name, f"{endpoint[0]}:{endpoint[1]}", profile_key(identity, self._model_id),
-                      capacity.usable)
+                      capacity.usable, 0.0 if rtt_ms is None else rtt_ms / 1000)
 
     async def _measure(self, usable: list[NodeRuntime]) -> Profiles | None:
         """Each usable node's speed for this model (cached, or timed now); None when that fails."""

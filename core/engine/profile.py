@@ -37,6 +37,7 @@ from core.model import ModelFacts
 from core.planner import DEPTHS, NodeSpeed, depths_for
 
 JOB_TIMEOUT_S = 120.0  # one load and its timed steps; a big model over a slow link takes a while
+RESOLVED_SE = 2.0      # a depths' difference is trusted as the layers' time beyond this many standard errors
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ def model_fingerprint(path: Path) -> str:
 
 
 # 2: the output layer timed on its own; 3: sampled where the cluster samples (before, the logits always crossed the
-# node's link); older cached profiles are measured again
-PROFILE_VERSION = 3
+# node's link); 4: a deeper second layout whose slope the bytes' rate only bounds, and the link's round trip a
+# fixed cost (before, a small model's layers were charged the output step's waits); older profiles are re-measured
+PROFILE_VERSION = 4
 
 
 def profile_key(node_identity: Sequence[object], model_id: str) -> str:
@@ -159,23 +161,31 @@ def one_hot(n: int, index: int, layers: int) -> tuple[int, ...]:
 
 
 def fit_node(model: ModelFacts, seconds: tuple[float, float], quiet: tuple[float, float], depths: tuple[int, int],
-             samples: int) -> NodeProfile:
+             samples: int, *, difference_se: float = 0.0, round_trip_s: float = 0.0) -> NodeProfile:
     """Fixed cost, per-byte slope and output cost from the two timed depths (pure).
 
-    ``seconds`` are whole tokens as served; ``quiet`` the same steps without logits, where llama.cpp computes
-    nearly nothing (no output layer, and the layers' work is skipped too): their time is the fixed cost of a step
-    on this node (round trips, dispatch, the coordinator's own work). The slope comes from the whole tokens of
-    the two depths; what is left of a whole token at the low depth is the output layer's cost on this node (its
-    read, the logits it sends, their sampling), measured on the same loaded layers instead of scaled by bytes.
+    ``seconds`` are whole tokens as served; ``quiet`` the same steps without logits, which llama.cpp sends off
+    without waiting for the node (it reads nothing back): their time is a step's dispatch and the coordinator's
+    own work. The node's fixed cost adds its link's ``round_trip_s``, which every token waits once on each node
+    that holds layers (for the next node's input, or for the token). The slope comes from the whole tokens of the
+    two depths (``difference_se``: the standard error of the mean of their per-token differences); what is left
+    of a whole token at the low depth is the output layer's cost on this node (its read, what it sends, the
+    sampling), measured on the same loaded layers instead of scaled by bytes.
     """
     low, high = depths
-    fixed = quiet[0]
-    # Decode reads every byte once: the whole token less its fixed cost, per byte of layers and output. Quantized
-    # layers cost at least that per byte; it is the floor of a slope that a noisy difference would put lower.
+    fixed = quiet[0] + round_trip_s
+    # With one depth, decode is taken to read every byte at one rate: the whole token less its fixed cost, per
+    # byte of layers and output. That overcharges the layers wherever the output step waits on more than its bytes
+    # (a slow link, sampling a large vocabulary), so with two depths it only bounds what noise hides.
     floor = max(0.0, seconds[0] - fixed) / max(1, sum(model.layer_bytes[:low]) + model.output_bytes)
     layer_bytes = sum(model.layer_bytes[low:high])
-    slope = (seconds[1] - seconds[0]) / layer_bytes if high > low and layer_bytes else 0.0
-    per_byte = max(floor, slope)
+    difference, resolution = seconds[1] - seconds[0], RESOLVED_SE * difference_se
+    if not (high > low and layer_bytes):
+        per_byte = floor
+    elif difference > resolution:
+        per_byte = difference / layer_bytes
+    else:  # lost in the noise: the layers cost no more than the difference it could hide
+        per_byte = min(floor, resolution / layer_bytes)
     output = max(0.0, seconds[0] - fixed - per_byte * sum(model.layer_bytes[:low]))
     return NodeProfile(fixed_s=fixed, seconds_per_byte=per_byte, measured_at=time.time(), samples=samples,
                        output_s=output)
@@ -205,12 +215,14 @@ def node_speed(model: ModelFacts, profile: NodeProfile | None, overhead_s: float
 
 @dataclass(frozen=True)
 class Target:
-    """A node to measure: its worker's endpoint, its cache key and the bytes it may hold."""
+    """A node to measure: its worker's endpoint, its cache key, the bytes it may hold and its link's round trip
+    (probed on the coordinator's path; 0 when unknown)."""
 
     name: str
     endpoint: str
     key: str
     usable: int
+    round_trip_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,13 +261,14 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         jobs = [Job(tuple(Layout(cut[depth], one_hot(len(targets), index, depth))
                           for depth in dict.fromkeys(depths[targets[index].name] or ())))
                 for index in todo]
-        seconds = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs),
+        answers = await run_jobs(endpoints, jobs, threads, log_path, timeout=JOB_TIMEOUT_S * len(jobs),
                                  sampling=sampling)
-        for timed_s, index in zip(seconds, todo, strict=True):
+        for answer, index in zip(answers, todo, strict=True):
             target = targets[index]
             node_depths = depths[target.name] or (low, low)
-            full, quiet = timed_s
-            profile = fit_node(model, (full[0], full[-1]), (quiet[0], quiet[-1]), node_depths, TIMED_TOKENS)
+            full, quiet = answer.seconds, answer.quiet
+            profile = fit_node(model, (full[0], full[-1]), (quiet[0], quiet[-1]), node_depths, TIMED_TOKENS,
+                               difference_se=answer.difference_se, round_trip_s=target.round_trip_s)
             cache.save(target.key, profile)
             nodes[target.name] = profile
     timed = [index for index, target in enumerate(targets) if nodes.get(target.name) is not None]
@@ -270,8 +283,9 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
         counts = [0] * len(targets)
         counts[first] = counts[second] = low
         pair_model = str(await asyncio.to_thread(cut_model, model.path, 2 * low, cut_folder))
-        [([pair_s], _)] = await run_jobs(endpoints, [Job((Layout(pair_model, tuple(counts)),))], threads, log_path,
-                                    JOB_TIMEOUT_S, sampling=sampling)
+        [pair] = await run_jobs(endpoints, [Job((Layout(pair_model, tuple(counts)),))], threads, log_path,
+                                JOB_TIMEOUT_S, sampling=sampling)
+        [pair_s] = pair.seconds
         first_profile, second_profile = nodes[targets[first].name], nodes[targets[second].name]
         assert first_profile is not None and second_profile is not None
         overhead = fit_overhead(model, first_profile, second_profile, pair_s, low)
@@ -279,8 +293,18 @@ async def measure(model: ModelFacts, targets: Sequence[Target], cache: ProfileCa
     return Profiles(nodes, overhead or 0.0, tuple(targets[index].name for index in todo))
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One job's answer: mean seconds per step of each layout, whole and without logits, and the standard error
+    of its first and last layouts' difference."""
+
+    seconds: list[float]
+    quiet: list[float]
+    difference_se: float
+
+
 async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, log_path: Path,
-                   timeout: float, *, sampling: str = "node") -> list[tuple[list[float], list[float]]]:
+                   timeout: float, *, sampling: str = "node") -> list[Timed]:
     """Mean seconds per token of each layout of each job: whole tokens, and the same steps without logits.
 
     Each job runs in a child of its own that connects only to the workers its layouts use, so all of them load
@@ -298,8 +322,9 @@ async def run_jobs(endpoints: Sequence[str], jobs: Sequence[Job], threads: int, 
             for job_child in children:
                 job_child.release()
                 answer = await job_child.answer("seconds", log_path)
-                results.append(([float(value) for value in answer["seconds"]],
-                                 [float(value) for value in answer["quiet"]]))
+                results.append(Timed([float(value) for value in answer["seconds"]],
+                                     [float(value) for value in answer["quiet"]],
+                                     float(answer.get("difference_se", 0.0))))
     except TimeoutError:
         raise ProfileError(f"profiling took longer than {timeout:g}s", f"see {log_path}") from None
     finally:

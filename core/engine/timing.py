@@ -2,7 +2,8 @@
 
 Started by core.engine.profile (``python -m core.engine.timing CONFIG``), one per job, apart from the controller
 because llama.cpp aborts when a worker goes away. It loads, says so, waits to be released (so that jobs load at
-once but are timed one at a time), then times every layout in turn and answers with the mean seconds per step.
+once but are timed one at a time), then times every layout in turn and answers with the mean seconds per step and
+how surely its first and last layouts differ.
 Tokens are chosen where the cluster chooses them (inventory ``sampling``): on the node that holds the output layer,
 whose step then sends only the token, or here from the logits it sends; over a slow link the two differ by the
 logits' time on the link (1 MiB a token for a 262k vocabulary).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import math
 import statistics
 import sys
 import time
@@ -124,6 +126,15 @@ def time_runs(runs: Sequence[TimedRun], warmup: int, tokens: int,
     return steps, quiet
 
 
+def difference_error(first: Sequence[float], last: Sequence[float]) -> float:
+    """Standard error of the mean difference between two layouts' steps, paired token by token (timed in turn,
+    so that the machine's drift cancels out of each pair); 0 for a layout against itself."""
+    differences = [b - a for a, b in zip(first, last, strict=True)]
+    if len(differences) < 2:
+        return 0.0
+    return statistics.stdev(differences) / math.sqrt(len(differences))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the profiling child: loads its job's layouts and says ``{"loaded": true}``, waits for a line
     on stdin, then times them and says ``{"seconds": [...]}``; ``{"error"}`` when it cannot."""
@@ -143,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                                  int(config.get("tokens", TIMED_TOKENS)), sys.stdout)
         # The mean, not the median: a node that is slow in bursts (shared, throttled) pays for each one.
         print(json.dumps({"seconds": [statistics.fmean(record) for record in steps],
-                          "quiet": [statistics.fmean(record) for record in quiet]}), flush=True)
+                          "quiet": [statistics.fmean(record) for record in quiet],
+                          "difference_se": difference_error(steps[0], steps[-1])}), flush=True)
     except (RuntimeError, ValueError, OSError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
