@@ -5,7 +5,9 @@ as it is), speculative decoding off (one token per step); then ``--runs`` greedy
 each: per node holding layers, the plan's predicted share, the live time (median of the latest 64 computes under the
 plan) and the drift, with the decode rate; at the end the controller's profile-drift, replan and plan-kept events.
 
-    .venv/bin/python bench/live_plan.py [--model demo|big] [--runs 6] [--tokens 64]
+    .venv/bin/python bench/live_plan.py [--model demo|big|real] [--runs 6] [--tokens 64]
+
+``real`` is the Gemma 3 270M Q4_K_M of the tests, whose output layer outweighs each layer 47 to 1.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.model import demo_model
 from core.nodes.build import cache_dir
 from tests.harness import Cluster, big_model
+from tests.realmodel import real_model
 
 EVENTS = ("profile", "plan", "coordinator-ready", "profile-drift", "replan", "plan-kept")
+
+
+SOURCES = {"demo": lambda: demo_model(cache_dir()), "big": big_model, "real": real_model}
 
 
 def number(value: float | None, unit: str = "") -> str:
@@ -31,13 +37,13 @@ def number(value: float | None, unit: str = "") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("demo", "big"), default="big")
+    parser.add_argument("--model", choices=tuple(SOURCES), default="big")
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-live-", dir="/tmp"))
     model = root / "model.gguf"  # a new path: a new profile
-    shutil.copy(big_model() if args.model == "big" else demo_model(cache_dir()), model)
+    shutil.copy(SOURCES[args.model](), model)
     cluster = Cluster(root, nodes=2, strategy=None, top=[f"model: {model}", "speculative: off"])
     try:
         cluster.cli("up")

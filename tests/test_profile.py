@@ -113,6 +113,24 @@ def test_a_slope_within_its_noise_is_charged_the_noise_not_the_links_wait() -> N
     assert profile.seconds_per_byte * 10 * MIB == pytest.approx(0.0015)
 
 
+def test_the_coordinators_share_is_no_more_than_a_nodes_step_without_its_link() -> None:
+    model = facts(n_layers=18, layer=MIB, output=40 * MIB)
+    # Two nodes 6.5 ms away, each step 4 ms without its link. Timed together they ran 7 ms faster than timed
+    # alone, less one output layer: the output layers' noise (one timed at 52 ms, the other at 45) says the
+    # coordinator's share is 7 ms, more than the 4 ms step it is part of.
+    a = fit_node(model, (0.062, 0.066), (0.004, 0.004), (1, 12), 64, difference_se=0.0003, round_trip_s=0.0065)
+    b = fit_node(model, (0.055, 0.059), (0.004, 0.004), (1, 12), 64, difference_se=0.0003, round_trip_s=0.0065)
+    layer = a.seconds_per_byte * MIB
+    pair = a.fixed_s + b.fixed_s + 2 * layer + b.output_s - 0.007
+    assert fit_overhead(model, a, b, pair, 1) == pytest.approx(0.004)
+    # So a boundary still costs each node its link, and the plan does not split the model for the noise.
+    for profile in (a, b):
+        assert node_speed(model, profile, 0.004).fixed_s == pytest.approx(0.0065)
+    plan = plan_compute(model, [NodeCapacity("a", 1 << 30), NodeCapacity("b", 1 << 30)],
+                        [node_speed(model, profile, 0.004) for profile in (a, b)], 64)
+    assert plan.layers == (None, (0, 17))  # the faster output layer's node alone
+
+
 def test_the_depths_difference_is_as_sure_as_its_paired_tokens() -> None:
     # Drift that hits both layouts alike cancels out of each pair: only the pairs' own spread counts.
     first = [0.010, 0.020, 0.030, 0.040]

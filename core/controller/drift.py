@@ -101,7 +101,8 @@ def corrected(profile: NodeProfile, overhead_s: float, model: ModelFacts, layers
                        source="live")
     factor = live_s / predicted
     return NodeProfile(fixed_s=overhead_s + own_fixed * factor, seconds_per_byte=profile.seconds_per_byte * factor,
-                       measured_at=measured_at, samples=samples, output_s=profile.output_s * factor, source="live")
+                       measured_at=measured_at, samples=samples, output_s=profile.output_s * factor, source="live",
+                       round_trip_s=profile.round_trip_s)
 
 
 def expected_tokens(tokens: int, elapsed_s: float, horizon_s: float = HORIZON_S) -> float:

@@ -50,6 +50,7 @@ class NodeProfile:
     samples: int             # timed tokens behind each depth
     output_s: float = 0.0    # the output layer, what it sends (the token, or the logits) and the sampling, per token
     source: str = "timed"    # timed (by the profiler) | live (corrected from the relay's times while serving)
+    round_trip_s: float = 0.0  # the link's round trip, probed before timing: the part of fixed_s spent on the wire
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the cache and `status --json`."""
@@ -72,8 +73,10 @@ def model_fingerprint(path: Path) -> str:
 
 # 2: the output layer timed on its own; 3: sampled where the cluster samples (before, the logits always crossed the
 # node's link); 4: a deeper second layout whose slope the bytes' rate only bounds, and the link's round trip a
-# fixed cost (before, a small model's layers were charged the output step's waits); older profiles are re-measured
-PROFILE_VERSION = 4
+# fixed cost (before, a small model's layers were charged the output step's waits); 5: the coordinator's share no
+# more than a node's step without its link (before, the output layers' noise could make it a whole fixed cost);
+# older profiles are re-measured
+PROFILE_VERSION = 5
 
 
 def profile_key(node_identity: Sequence[object], model_id: str) -> str:
@@ -188,17 +191,21 @@ def fit_node(model: ModelFacts, seconds: tuple[float, float], quiet: tuple[float
         per_byte = min(floor, resolution / layer_bytes)
     output = max(0.0, seconds[0] - fixed - per_byte * sum(model.layer_bytes[:low]))
     return NodeProfile(fixed_s=fixed, seconds_per_byte=per_byte, measured_at=time.time(), samples=samples,
-                       output_s=output)
+                       output_s=output, round_trip_s=round_trip_s)
 
 
 def fit_overhead(model: ModelFacts, first: NodeProfile, second: NodeProfile, pair_s: float, depth: int) -> float:
     """The coordinator's share of a token, from two nodes timed alone and together (pure).
 
-    Alone, each node's time holds the coordinator's share and its own output layer; together, both once.
+    Alone, each node's time holds the coordinator's share and its own output layer; together, both once. The
+    difference of such sums carries their output layers' noise (several ms a token for a large vocabulary), so the
+    share is bounded by what it is part of: either node's step without its link's round trip. Above that bound it
+    would leave a node's fixed cost less than its link, and a boundary between nodes would look free.
     """
     alone = first.fixed_s + second.fixed_s + (first.seconds_per_byte + second.seconds_per_byte) * sum(
         model.layer_bytes[:depth]) + first.output_s + second.output_s
-    return max(0.0, alone - pair_s - first.output_s)
+    ceiling = min(first.fixed_s - first.round_trip_s, second.fixed_s - second.round_trip_s)
+    return max(0.0, min(ceiling, alone - pair_s - first.output_s))
 
 
 def node_speed(model: ModelFacts, profile: NodeProfile | None, overhead_s: float) -> NodeSpeed:
