@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -25,21 +26,31 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 _HANDED_OUT: set[int] = set()
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now, and never one this test run handed out before.
+    """A TCP port nobody listens on right now, below the kernel's ephemeral range, and never one this test run
+    handed out before.
 
-    The kernel may offer a port again as soon as the probe closes it: two nodes of one test cluster (or a
-    node and the test's sshd) would then be given the same port.
+    A port from the ephemeral range could be taken between the test choosing it and its worker binding it: by a
+    bind to port 0 (the controller's relays, metrics and API) or by any outgoing connection; the node would then
+    fail to start with its port "already in use". Below the range only a listener with that very port can take
+    it. Random, so that two test runs side by side rarely try the same ones.
     """
+    low, high = (int(field) for field in _EPHEMERAL.read_text().split())
+    candidates = range(max(1024, low - 16384), low) if low > 2048 else range(high + 1, 65536)
     while True:
+        port = random.choice(candidates)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # a listener, or a connection of its own still in TIME_WAIT
+        _HANDED_OUT.add(port)
+        return port
 
 
 def needs(reason: str | None) -> None:
