@@ -17,7 +17,7 @@ from core.engine.profile import (
     node_speed,
     profile_key,
 )
-from core.engine.timing import difference_error
+from core.engine.timing import difference_error, time_runs
 from core.errors import ProfileError
 from core.model import ModelFacts, read_model, write_demo_model
 from core.planner import NodeCapacity, depths_for, plan_compute
@@ -138,6 +138,35 @@ def test_the_depths_difference_is_as_sure_as_its_paired_tokens() -> None:
     # differences 1, 3, 1, 3 ms: a standard deviation of 1.15 ms, over the root of 4 pairs
     assert difference_error(first, [0.011, 0.023, 0.031, 0.043]) == pytest.approx(0.001 / math.sqrt(3))
     assert difference_error([0.01], [0.02]) == 0.0
+
+
+class Steps:
+    """A layout's steps as the timing child takes them, each timed as its position in the whole sequence."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def step(self, out: object) -> float:
+        self.log.append(f"{self.name}:whole")
+        return float(len(self.log))
+
+    def quiet_step(self) -> float:
+        self.log.append(f"{self.name}:quiet")
+        return float(len(self.log))
+
+
+def test_steps_are_timed_in_runs_that_keep_their_graph() -> None:
+    log: list[str] = []
+    runs = [Steps("a", log), Steps("b", log)]
+    steps, quiet = time_runs(runs, 2, 5, None, run_length=3)  # type: ignore[arg-type]
+    # Warm-up first; then each layout in turn, three steps of each kind led by one untimed step (the graph sent
+    # whole), and the last run shorter.
+    round_ = ["whole"] * 4 + ["quiet"] * 4
+    assert log == ["a:whole"] * 2 + ["b:whole"] * 2 + [f"a:{kind}" for kind in round_] + [
+        f"b:{kind}" for kind in round_] + [f"a:{kind}" for kind in ["whole"] * 3 + ["quiet"] * 3] + [
+        f"b:{kind}" for kind in ["whole"] * 3 + ["quiet"] * 3]
+    assert steps == [[6, 7, 8, 22, 23], [14, 15, 16, 28, 29]]
+    assert quiet == [[10, 11, 12, 25, 26], [18, 19, 20, 31, 32]]
 
 
 def test_fit_node_with_one_depth_charges_the_token_by_bytes() -> None:

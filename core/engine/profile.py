@@ -75,8 +75,9 @@ def model_fingerprint(path: Path) -> str:
 # node's link); 4: a deeper second layout whose slope the bytes' rate only bounds, and the link's round trip a
 # fixed cost (before, a small model's layers were charged the output step's waits); 5: the coordinator's share no
 # more than a node's step without its link (before, the output layers' noise could make it a whole fixed cost);
-# older profiles are re-measured
-PROFILE_VERSION = 5
+# 6: steps timed in runs that keep their graph on the worker (before, every step sent it whole, which a slow link
+# charged to the output layer); older profiles are re-measured
+PROFILE_VERSION = 6
 
 
 def profile_key(node_identity: Sequence[object], model_id: str) -> str:

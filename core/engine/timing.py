@@ -33,6 +33,7 @@ from core.planner import PROFILE_BATCH, PROFILE_CONTEXT, split_for_counts
 
 WARMUP_TOKENS = 4  # first decode steps allocate and warm caches
 TIMED_TOKENS = 64
+RUN_LENGTH = 8     # timed steps of one kind on one layout in a row: the worker keeps their graph between them
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ class TimedRun:
         self.llm.close()
 
     def quiet_step(self) -> float:
-        """Seconds of one decode step that asks for no logits: llama.cpp then computes (nearly) nothing, so this is
-        the step's fixed cost (round trips, dispatch, the coordinator's own work)."""
+        """Seconds of one decode step that asks for no logits: llama.cpp then computes (nearly) nothing and waits
+        for nothing from the node, so this is the step's dispatch and the coordinator's own work."""
         started = time.perf_counter()
         if self._context.decode([Entry(self.token, self.llm.n_tokens, 0, False)]) != 0:
             raise RuntimeError("a decode step without logits failed")
@@ -107,22 +108,29 @@ class TimedRun:
         return time.perf_counter() - started
 
 
-def time_runs(runs: Sequence[TimedRun], warmup: int, tokens: int,
-              out: IO[str]) -> tuple[list[list[float]], list[list[float]]]:
-    """Seconds of each timed decode step of each loaded layout, taken in turn (runs in the child): whole tokens,
-    and after each one the same step without logits.
+def time_runs(runs: Sequence[TimedRun], warmup: int, tokens: int, out: IO[str],
+              run_length: int = RUN_LENGTH) -> tuple[list[list[float]], list[list[float]]]:
+    """Seconds of each timed decode step of each loaded layout (runs in the child): whole tokens, and the same
+    steps without logits.
 
-    A whole step does what the coordinator does per token, writing the same event to ``out``, so that the
-    measured time is the time a token costs when the cluster serves.
+    The layouts take turns, ``run_length`` whole steps and as many without logits at a time, each run led by one
+    untimed step: that one sends the worker its graph whole, and the rest re-run the graph the worker holds
+    (GRAPH_RECOMPUTE), as consecutive tokens do when the cluster serves; a step after another layout's, or after
+    one of the other kind, has a different graph. A whole step does what the coordinator does per token, writing
+    the same event to ``out``, so that the measured time is the time a token costs when the cluster serves.
     """
     steps: list[list[float]] = [[] for _ in runs]
     quiet: list[list[float]] = [[] for _ in runs]
-    for index in range(warmup + tokens):
+    for run in runs:
+        for _ in range(warmup):
+            run.step(out)
+    timed = 0
+    while timed < tokens:
+        count = min(run_length, tokens - timed)
         for run, record, quiet_record in zip(runs, steps, quiet, strict=True):
-            seconds, quiet_seconds = run.step(out), run.quiet_step()
-            if index >= warmup:
-                record.append(seconds)
-                quiet_record.append(quiet_seconds)
+            record.extend([run.step(out) for _ in range(count + 1)][1:])
+            quiet_record.extend([run.quiet_step() for _ in range(count + 1)][1:])
+        timed += count
     return steps, quiet
 
 
