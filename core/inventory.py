@@ -189,6 +189,11 @@ class Inventory(_Frozen):
         return self._api_key
 
     @property
+    def worker_ports(self) -> frozenset[int]:
+        """Every node's RPC port: on this machine, no listener of the controller's may take one."""
+        return frozenset(node.rpc_port for node in self.nodes)
+
+    @property
     def speculates(self) -> bool:
         """Whether the coordinator verifies drafted tokens."""
         return self.speculative != "off"

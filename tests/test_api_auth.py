@@ -118,6 +118,11 @@ def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
     assert compared == [(b"guess", KEY.encode()), ("güess".encode(), KEY.encode()), (KEY.encode(), KEY.encode())]
 
 
+def test_on_a_port_of_the_kernels_choosing_the_api_keeps_off_the_workers_ports() -> None:
+    with pytest.raises(OSError, match="every port the kernel offered was a worker's"):
+        asyncio.run(serve_api(Stand(), "127.0.0.1", 0, None, reserved=range(1, 65536)))  # type: ignore[arg-type]
+
+
 def test_busy_is_a_503_with_retry_after_in_openais_error_shape() -> None:
     busy = Busy("the cluster is busy: 1/1 slots generating, 0/0 queued (api.queue)", 7)
     [(status, headers, body)] = asyncio.run(exchange(Stand(busy), None, [("POST", "/v1/completions", {})]))

@@ -282,7 +282,8 @@ async def _serve_api(controller: Controller) -> None:
     """Start the OpenAI-compatible API; a port in use is an event and a warning, not a reason to stop."""
     settings = controller.inventory.api
     try:
-        controller.api = await serve_api(controller, settings.host, settings.port, controller.inventory.api_key)
+        controller.api = await serve_api(controller, settings.host, settings.port, controller.inventory.api_key,
+                                         reserved=controller.inventory.worker_ports)
     except OSError as exc:
         controller.record("api-failed", f"no API endpoint: cannot listen on {settings.host}:{settings.port} "
                           f"({exc.strerror or exc}); fix: set api.port (0: any free port)")
@@ -297,7 +298,7 @@ def _serve_metrics(controller: Controller, loop: asyncio.AbstractEventLoop) -> N
         return
     try:
         controller.metrics = serve_metrics(settings.host, settings.port, controller.snapshot, loop,
-                                           controller.inventory.api_key)
+                                           controller.inventory.api_key, reserved=controller.inventory.worker_ports)
     except OSError as exc:
         controller.record("metrics-failed", f"no metrics endpoint: cannot listen on {settings.host}:{settings.port} "
                           f"({exc.strerror or exc}); fix: set metrics.port (0: any free port) or "

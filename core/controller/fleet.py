@@ -62,7 +62,7 @@ class Fleet:
             for node in inventory.nodes}
         self.parallel = asyncio.Semaphore(PARALLEL_NODES)
         self.local_flags = local_cpu_flags()
-        self.relays = RelayHost()
+        self.relays = RelayHost(inventory.worker_ports)
         self.stopping = False
         self._lives: dict[str, asyncio.Future[None]] = {}
         self._sampled: set[str] = set()

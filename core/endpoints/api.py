@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from core.endpoints.auth import bearer_matches
 from core.endpoints.dashboard import Dashboard
 from core.errors import Busy, ClusterError, PromptError
+from core.listener import bound_socket
 from core.service import MAX_LOGPROBS, GenerateRequest, Send, Service
 from core.status import CoordinatorState
 
@@ -395,9 +396,10 @@ def _timings(done: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-async def serve_api(service: Service, host: str, port: int, key: str | None) -> ApiServer:
-    """Serve the API and the web dashboard on host:port; with ``key``, every route but /health needs it (raises
-    OSError when the port is taken)."""
+async def serve_api(service: Service, host: str, port: int, key: str | None, *,
+                    reserved: Collection[int] = ()) -> ApiServer:
+    """Serve the API and the web dashboard on host:port (port 0: one the kernel picks, none of ``reserved``);
+    with ``key``, every route but /health needs it (raises OSError when the port is taken)."""
     api, dashboard = _Api(service), Dashboard(service, key)
     app = web.Application(client_max_size=16 << 20,
                           middlewares=[] if key is None else [_authenticate(key, dashboard)])
@@ -408,8 +410,8 @@ async def serve_api(service: Service, host: str, port: int, key: str | None) -> 
     ])
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
     try:
+        site = web.SockSite(runner, bound_socket(host, reserved)) if port == 0 else web.TCPSite(runner, host, port)
         await site.start()
     except OSError:
         await runner.cleanup()

@@ -6,7 +6,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -18,6 +18,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from core.endpoints.auth import bearer_matches
+from core.listener import open_clear_of
 from core.status import ClusterStatus, CoordinatorState, NodeState
 
 _PREFIX = "ggml_cluster"
@@ -189,9 +190,11 @@ def _guarded(app: WSGIApplication, key: str) -> WSGIApplication:
 
 
 def serve_metrics(host: str, port: int, snapshot: Callable[[], ClusterStatus],
-                  loop: asyncio.AbstractEventLoop, key: str | None) -> MetricsServer:
-    """Serve /metrics on host:port; with ``key``, only to requests that send it as a Bearer token. Snapshots are
-    taken on ``loop`` (the controller's state lives there). Raises OSError when it cannot listen."""
+                  loop: asyncio.AbstractEventLoop, key: str | None, *,
+                  reserved: Collection[int] = ()) -> MetricsServer:
+    """Serve /metrics on host:port (port 0: one the kernel picks, none of ``reserved``); with ``key``, only to
+    requests that send it as a Bearer token. Snapshots are taken on ``loop`` (the controller's state lives there).
+    Raises OSError when it cannot listen."""
 
     def on_loop() -> ClusterStatus:
         async def take() -> ClusterStatus:
@@ -205,8 +208,11 @@ def serve_metrics(host: str, port: int, snapshot: Callable[[], ClusterStatus],
     # (an IPv6 host), a thread per scrape.
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     server_class = type("MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family})
-    server: WSGIServer = make_server(str(address[0]), port, app if key is None else _guarded(app, key), server_class,
-                         handler_class=_QuietHandler)
+    served = app if key is None else _guarded(app, key)
+    server: WSGIServer = open_clear_of(
+        reserved if port == 0 else (),
+        lambda: make_server(str(address[0]), port, served, server_class, handler_class=_QuietHandler),
+        lambda server: server.server_port, WSGIServer.server_close)
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()
     return MetricsServer(server, thread)

@@ -24,11 +24,12 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 from core.errors import ConnectError
+from core.listener import bound_socket
 from core.rpc.wire import (
     CMD_COMPUTE_STATUS,
     CMD_COUNT,
@@ -333,10 +334,12 @@ class Relay:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def start(self) -> tuple[str, int]:
-        """Listen on an ephemeral 127.0.0.1 port; returns the address the coordinator should use."""
+    async def start(self, reserved: Collection[int] = ()) -> tuple[str, int]:
+        """Listen on an ephemeral 127.0.0.1 port, none of ``reserved`` (the workers'); returns the address the
+        coordinator should use."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Side(self._new_link(), client=True), "127.0.0.1", 0)
+        self._server = await loop.create_server(lambda: _Side(self._new_link(), client=True),
+                                                sock=bound_socket("127.0.0.1", reserved))
         host, port = self._server.sockets[0].getsockname()[:2]
         return str(host), int(port)
 
@@ -387,8 +390,11 @@ class RelayHost:
     plain ints, read by the controller's thread as they are.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reserved: Collection[int] = ()) -> None:
+        """``reserved``: ports no relay may listen on (the workers')."""
         import uvloop
+
+        self.reserved = frozenset(reserved)
 
         self.loop = uvloop.new_event_loop()
         started = threading.Event()
@@ -413,7 +419,7 @@ class RelayHost:
             caller.call_soon_threadsafe(on_event, message)
 
         relay = Relay(target, report, connect)
-        return relay, await self.run(relay.start())
+        return relay, await self.run(relay.start(self.reserved))
 
     async def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the relays' loop and wait for its result from the caller's."""
