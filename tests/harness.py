@@ -154,9 +154,16 @@ class Cluster:
         return json.loads(self.cli("status", "--json").stdout)
 
     def worker_dir(self, node: str) -> Path:
-        """A local node's folder, or an ssh node's under the inventory's ``workdir`` default."""
+        """A local node's folder, or an ssh node's under the inventory's ``workdir`` default; a node whose worker
+        never started (`up` left it out) fails the test with what its status says."""
         local = self.state / "nodes" / node
-        return local if local.exists() else next(self.root.glob(f"**/test{os.getpid()}/{node}"))
+        if local.exists():
+            return local
+        found = next(self.root.glob(f"**/test{os.getpid()}/{node}"), None)
+        if found is None:
+            seen = next((row for row in self.status()["nodes"] if row["name"] == node), {})
+            raise AssertionError(f"node {node} has no worker folder: {seen.get('state')}, {seen.get('last_error')}")
+        return found
 
     def worker_pid(self, node: str) -> int:
         return pid_in(self.worker_dir(node) / "worker.pid")
