@@ -26,7 +26,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 _HANDED_OUT: set[int] = set()
-_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out to a bind to port 0 and to outgoing connections."""
+    low, high = (int(field) for field in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    return range(low, high + 1)
 
 
 def free_port() -> int:
@@ -38,8 +43,9 @@ def free_port() -> int:
     fail to start with its port "already in use". Below the range only a listener with that very port can take
     it. Random, so that two test runs side by side rarely try the same ones.
     """
-    low, high = (int(field) for field in _EPHEMERAL.read_text().split())
-    candidates = range(max(1024, low - 16384), low) if low > 2048 else range(high + 1, 65536)
+    ephemeral = ephemeral_ports()
+    low = ephemeral.start
+    candidates = range(max(1024, low - 16384), low) if low > 2048 else range(ephemeral.stop, 65536)
     while True:
         port = random.choice(candidates)
         if port in _HANDED_OUT:

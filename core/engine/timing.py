@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -128,10 +129,16 @@ def time_runs(runs: Sequence[TimedRun], warmup: int, tokens: int, out: IO[str],
     while timed < tokens:
         count = min(run_length, tokens - timed)
         for run, record, quiet_record in zip(runs, steps, quiet, strict=True):
-            record.extend([run.step(out) for _ in range(count + 1)][1:])
-            quiet_record.extend([run.quiet_step() for _ in range(count + 1)][1:])
+            record.extend(_run_of(functools.partial(run.step, out), count))
+            quiet_record.extend(_run_of(run.quiet_step, count))
         timed += count
     return steps, quiet
+
+
+def _run_of(step: Callable[[], float], count: int) -> list[float]:
+    """``count`` timed steps after an untimed one (the step that sends the worker its graph)."""
+    step()
+    return [step() for _ in range(count)]
 
 
 def difference_error(first: Sequence[float], last: Sequence[float]) -> float:
