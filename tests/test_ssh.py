@@ -121,24 +121,6 @@ def test_controller_restart_adopts_ssh_workers_without_redeploying(world: SshWor
     assert cluster.processes() == []
 
 
-def test_remote_build_on_a_node(world: SshWorld, short_root: Path) -> None:
-    cluster = ssh_cluster(world, short_root, nodes=1, extra={0: ["build: remote"]})
-    try:
-        cluster.cli("up")
-        node = cluster.status()["nodes"][0]
-        assert node["state"] == "ready" and "worker built" in node["detail"]
-        logs = list(short_root.glob("node root/bin/*.build.log"))
-        assert logs and "ggml-rpc-server" in logs[0].read_text()
-        # Built from the patched source, both keyed by the patches' digest.
-        key = build_key(pinned_version(), "cpu")
-        assert json.loads((short_root / "node root" / "bin" / key / "manifest.json").read_text())["patches"] == \
-            worker_digest()
-        assert (short_root / "node root" / "src" / project_name(pinned_version()) / "CMakeLists.txt").is_file()
-        assert cluster.cli("run", PROMPT, "-n", "8").returncode == 0
-    finally:
-        cluster.cli("down", check=False)
-
-
 FAILURES = {
     "unreachable": ({"port": "PORT"}, "n1: node n1: cannot reach root@127.0.0.1:{port}"),
     "wrong key": ({"identity": "OTHER_KEY"}, "n1: node n1: authentication failed for root@127.0.0.1"),
@@ -568,6 +550,8 @@ def leftovers(root: Path) -> list[str]:
 
 def test_ctrl_c_during_a_remote_build_stops_the_compilers_and_the_next_up_builds(
         world: SshWorld, short_root: Path) -> None:
+    """A node that builds its own worker: Ctrl-C stops the compilers, and the next `up` finishes the build from the
+    patched source and serves. (One test for both: a remote build is a minute of this machine's two cores.)"""
     cluster = ssh_cluster(world, short_root, nodes=1, extra={0: ["build: remote"]})
     try:
         up = cluster.popen("up")
@@ -589,6 +573,14 @@ def test_ctrl_c_during_a_remote_build_stops_the_compilers_and_the_next_up_builds
         assert "waiting" not in again.stderr
         node = cluster.status()["nodes"][0]
         assert node["state"] == "ready" and "worker built" in node["detail"], node
+        logs = list(short_root.glob("node root/bin/*.build.log"))
+        assert logs and "ggml-rpc-server" in logs[0].read_text()
+        # Built from the patched source, both keyed by the patches' digest.
+        key = build_key(pinned_version(), "cpu")
+        assert json.loads((short_root / "node root" / "bin" / key / "manifest.json").read_text())["patches"] == \
+            worker_digest()
+        assert (short_root / "node root" / "src" / project_name(pinned_version()) / "CMakeLists.txt").is_file()
+        assert cluster.cli("run", PROMPT, "-n", "8").returncode == 0
     finally:
         cluster.cli("down", check=False)
     assert leftovers(short_root) == []
