@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Coroutine
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -17,9 +17,14 @@ from cli.render import check_table, deploy_table, plan_table, run_summary, statu
 from core import client
 from core.errors import ClusterError
 from core.inventory import Inventory, direct_warnings, find_inventory, load_inventory
-from core.plan_explained import PlanRow
-from core.planner import Plan, choice_problem, slots_note
 from core.status import ClusterStatus, NodeState
+
+# `status` and `run` load only core.client and the plain data: the commands that start, stop, check and plan a
+# cluster import core.lifecycle (SSH, GGUF, the planner: half a second more) when they run.
+if TYPE_CHECKING:
+    from core.lifecycle import UpResult
+    from core.plan_explained import PlanRow
+    from core.planner import Plan
 
 app = typer.Typer(
     name="ggml-cluster",
@@ -101,6 +106,9 @@ def up(
 
     Idempotent: with nothing changed it returns at once; a changed inventory restarts the cluster.
     """
+    from core import lifecycle
+    from core.planner import slots_note
+
     inventory = _inventory(inventory_file, debug)
     for warning in direct_warnings(inventory):
         err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
@@ -139,9 +147,9 @@ def up(
             seen[""] = coordinator
             err.print(f"  {coordinator}", highlight=False)
 
-    async def work() -> client.UpResult:
+    async def work() -> UpResult:
         try:
-            return await client.bring_up(inventory, on_status, on_build, require_all)
+            return await lifecycle.bring_up(inventory, on_status, on_build, require_all)
         finally:
             progress.stop()
 
@@ -157,7 +165,7 @@ def up(
     if any(node.kind != "local" or node.left_out for node in snapshot.nodes):
         out.print(deploy_table(snapshot))
     ready = sum(node.state == NodeState.READY for node in snapshot.nodes)
-    failed = client.failed_nodes(snapshot)
+    failed = lifecycle.failed_nodes(snapshot)
     if failed:
         err.print(f"[yellow]warning:[/yellow] running on {ready} of {len(snapshot.nodes)} nodes; left out: "
                   f"{'; '.join(failed)}", soft_wrap=True, highlight=False)
@@ -268,8 +276,10 @@ def check(
 
     Exits 1 when any node has a problem.
     """
+    from core import lifecycle
+
     inventory = _inventory(inventory_file, debug)
-    rows = _execute(client.check(inventory))
+    rows = _execute(lifecycle.check(inventory))
     if as_json:
         sys.stdout.write(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
     else:
@@ -292,17 +302,22 @@ def plan(
     debug: DebugOption = False,
 ) -> None:
     """Show the layer plan for the running cluster and why each node got its part (changes nothing)."""
+    from core import lifecycle
+    from core.planner import choice_problem
+
     inventory = _inventory(inventory_file, debug)
     chosen = strategy or inventory.strategy
     problem = choice_problem(chosen, objective)
     if problem:
         err.print(f"[red]error:[/red] --strategy/--objective: {problem}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
-    result, rows = _execute(client.explain_plan(inventory, chosen, objective))
+    result, rows = _execute(lifecycle.explain_plan(inventory, chosen, objective))
     _print_plan(result, rows, as_json, inventory)
 
 
 def _print_plan(result: Plan, rows: list[PlanRow], as_json: bool, inventory: Inventory) -> None:
+    from core.planner import slots_note
+
     auto = inventory.api.parallel == "auto"
     if as_json:
         sys.stdout.write(json.dumps({**result.to_dict(), "slots_auto": auto, "rows": [row.to_dict() for row in rows]},
@@ -325,10 +340,12 @@ def profile(
     debug: DebugOption = False,
 ) -> None:
     """Measure every node's speed again, re-plan and reload the model (waits for a request in flight)."""
+    from core import lifecycle
+
     inventory = _inventory(inventory_file, debug)
     err.print("measuring the nodes (a few seconds per node) …")
-    _execute(client.reprofile(inventory))
-    result, rows = _execute(client.explain_plan(inventory, inventory.strategy))
+    _execute(lifecycle.reprofile(inventory))
+    result, rows = _execute(lifecycle.explain_plan(inventory, inventory.strategy))
     _print_plan(result, rows, as_json, inventory)
 
 
@@ -342,10 +359,12 @@ def down(
     debug: DebugOption = False,
 ) -> None:
     """Stop the coordinator, every worker and the controller."""
+    from core import lifecycle
+
     inventory = _inventory(inventory_file, debug)
     state = client.state_for(inventory)
     running = state.controller_pid() is not None
-    result = _execute(client.shut_down(state, keep_workers=keep_workers),
+    result = _execute(lifecycle.shut_down(state, keep_workers=keep_workers),
                       "the controller goes on stopping what it had been asked to; `ggml-cluster down` again "
                       "finishes the job (and stops leftover workers)")
     if result.cleaned:

@@ -6,15 +6,17 @@ import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from core.client import NodeCheck
-from core.plan_explained import PlanRow, age, percent
-from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus
+from core.status import ClusterStatus, CoordinatorState, NodeState, NodeStatus, age, percent
+
+if TYPE_CHECKING:  # `status` renders without loading what `check` and `plan` need (cli/app.py)
+    from core.lifecycle import NodeCheck
+    from core.plan_explained import PlanRow
 
 STATE_STYLE = {
     NodeState.READY: "green",
@@ -335,6 +337,8 @@ def check_table(rows: list[NodeCheck]) -> Table:
     for row in rows:
         device = f"; device {row.device}" if row.device else ""
         last = Text(row.problem, style="bold red") if row.problem else Text(f"{row.hardware}; {row.reason}{device}")
+        if row.note:
+            last.append(f"; {row.note}", style="yellow")
         table.add_row(row.name, row.host, row.system or "-", row.backend or "-", row.worker or "-",
                       row.port or "-", last)
     return table

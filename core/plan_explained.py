@@ -11,7 +11,7 @@ from core.errors import PlanError
 from core.inventory import Inventory
 from core.model import ModelFacts
 from core.planner import NodeCapacity, NodeSpeed, Plan, choose_slots, depths_for, mib, with_prediction
-from core.status import ClusterStatus, NodeStatus
+from core.status import ClusterStatus, NodeStatus, age, percent
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,6 @@ def live_note(age_s: float, live_ms: float | None, planned_ms: float | None, *, 
     return note
 
 
-def percent(drift: float) -> str:
-    """A departure from the plan as `plan` and the dashboards show it: ``+12%``, ``-86%``."""
-    return f"{drift:+.0%}"
-
-
 # A node whose round trip is this many times the nearest node's, and at least a ms more, is far: on one machine's
 # loopback round trips are tenths of a ms; a link with 10 ms each way adds 20 ms to every token the node serves.
 FAR_RATIO = 3.0
@@ -126,17 +121,6 @@ def link_note(node: NodeStatus, nodes: list[NodeStatus]) -> str:
         return ""
     return (f"; its link's round trip is {node.rtt_ms:.2f} ms (the nearest node's: {nearest:.2f} ms), paid on every "
             "token it serves")
-
-
-def age(seconds: float) -> str:
-    """An age as `plan` says it: ``45 s``, ``3 min``, ``2 h``, ``3 days``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.0f} h"
-    return f"{seconds / 86400:.0f} days"
 
 
 def output_note(model: ModelFacts, context: int, speed: NodeSpeed | None, *, slots: int = 1,

@@ -289,3 +289,19 @@ class ClusterStatus:
             metrics_endpoint=data.get("metrics_endpoint", ""),
             api_endpoint=data.get("api_endpoint", ""),
         )
+
+
+def percent(drift: float) -> str:
+    """A departure from the plan as `plan` and the dashboards show it: ``+12%``, ``-86%``."""
+    return f"{drift:+.0%}"
+
+
+def age(seconds: float) -> str:
+    """An age as `plan` says it: ``45 s``, ``3 min``, ``2 h``, ``3 days``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,24 @@ def test_status_refuses_an_interval_below_a_tenth_of_a_second(interval: str, tmp
                             env={**os.environ, "GGML_CLUSTER_STATE_DIR": str(tmp_path / "state")})
     assert result.returncode == 2
     assert "--interval" in result.stderr and "0.1" in result.stderr
+
+
+# What `status` and `run` never need: SSH, numpy, the model reader, the planner, the node-side code (about half a second of
+# imports, every time one of them starts; core.lifecycle loads them for up, down, check, plan and profile).
+HEAVY = ("asyncssh", "numpy", "core.nodes", "core.model", "core.planner", "core.plan_explained",
+         "core.lifecycle")
+
+
+def test_the_commands_people_type_most_load_nothing_heavy(tmp_path: Path) -> None:
+    """The CLI's own module and `status`'s code path, in a fresh interpreter: none of HEAVY is loaded."""
+    probe = ("import sys, asyncio\nimport cli.app\nfrom core import client\nfrom core.state import StateDir\n"
+             f"loaded = [name for name in {HEAVY!r} if name in sys.modules]\n"
+             "try:\n    asyncio.run(client.status(StateDir(sys.argv[1])))\nexcept Exception:\n    pass\n"
+             f"print(loaded + [name for name in {HEAVY!r} if name in sys.modules and name not in loaded])")
+    result = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "state")], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
+    loaded = subprocess.run([sys.executable, "-c", "import sys, cli.app, core.lifecycle\n"
+                             f"print([name for name in {HEAVY!r} if name not in sys.modules])"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout  # the names are real: the heavy path loads each

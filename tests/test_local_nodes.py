@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster
+from tests.harness import Cluster, ephemeral_ports, free_port
 from tests.test_hardening import gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -32,3 +32,19 @@ def test_a_local_node_gets_the_backend_its_probe_finds_or_the_one_asked_for(shor
     finally:
         cluster.cli("down", check=False)
     assert gone(cluster)
+
+
+def test_check_advises_moving_a_worker_port_the_kernel_may_hand_out(short_tmp: Path) -> None:
+    """A port in the ephemeral range is free until its worker listens, and any outgoing connection may be given it
+    then: `check` says so (advice, not a problem), naming the range and both ways out."""
+    ephemeral = ephemeral_ports()
+    cluster = Cluster(short_tmp, nodes=2, ports=[ephemeral[len(ephemeral) // 2], free_port()])
+    check = cluster.cli("check", "--json")
+    rows = {row["name"]: row for row in json.loads(check.stdout)}
+    assert rows["n0"]["problem"] == "" and rows["n1"]["note"] == "", rows
+    assert (f"port {cluster.ports[0]} is in this node's ephemeral range {ephemeral[0]}-{ephemeral[-1]}"
+            in rows["n0"]["note"]), rows["n0"]
+    assert f"below {ephemeral[0]}" in rows["n0"]["note"]
+    assert f"net.ipv4.ip_local_reserved_ports={cluster.ports[0]}" in rows["n0"]["note"]
+    table = cluster.cli("check").stdout
+    assert "ephemeral range" in table and cluster.processes() == []

@@ -29,6 +29,7 @@ from core.nodes.probe import (
     PROBE_COMMAND,
     TOOLCHAIN_COMMAND,
     CpuInfo,
+    EphemeralPorts,
     MemInfo,
     NodeFacts,
     OsInfo,
@@ -37,6 +38,7 @@ from core.nodes.probe import (
     install_hint,
     parse_cpuinfo,
     parse_df,
+    parse_ephemeral,
     parse_meminfo,
     parse_node,
     parse_os_release,
@@ -94,7 +96,8 @@ def test_split_sections_keeps_banner_lines_that_are_not_markers() -> None:
 def test_probe_command_marks_every_section() -> None:
     names = [line.split("==")[1] for line in PROBE_COMMAND.splitlines()]
     assert names == ["uname", "os-release", "macos-version", "cpuinfo", "auxv", "sysctl", "meminfo", "df", "nvidia-smi",
-                     "rocm-smi", "vulkaninfo", "system_profiler", "cmake", "cxx", "nvcc", "hipcc"]
+                     "rocm-smi", "vulkaninfo", "system_profiler", "port-range", "reserved-ports", "cmake", "cxx",
+                     "nvcc", "hipcc"]
     assert "==nvidia-smi-table==" in PROBE_COMMAND  # printed only when the CSV query fails
     assert PROBE_COMMAND.endswith(TOOLCHAIN_COMMAND)
     assert all(line.endswith("2>/dev/null || true") for line in PROBE_COMMAND.splitlines())
@@ -565,6 +568,24 @@ def test_one_install_hint_installs_every_missing_tool() -> None:
         "install cmake and a C++ compiler (g++ or clang++) with the system's package manager"
 
 
+@pytest.mark.parametrize(("port_range", "reserved", "expected"), [
+    ("32768\t60999\n", "\n", EphemeralPorts(32768, 60999)),
+    ("32768\t60999", "50052,50100-50110", EphemeralPorts(32768, 60999, ((50052, 50052), (50100, 50110)))),
+    ("49152\n65535\n", "", EphemeralPorts(49152, 65535)),  # macOS: sysctl's two lines
+    ("", "", None),  # Windows, BSDs: unknown, so no advice
+    ("60999 32768", "", None),
+])
+def test_the_ephemeral_range_is_read_with_its_reserved_ports(port_range: str, reserved: str,
+                                                             expected: EphemeralPorts | None) -> None:
+    assert parse_ephemeral(port_range, reserved) == expected
+
+
+def test_a_port_in_the_ephemeral_range_may_be_taken_unless_reserved() -> None:
+    ports = EphemeralPorts(32768, 60999, ((50052, 50052), (50100, 50110)))
+    assert ports.may_take(32768) and ports.may_take(60999) and ports.may_take(50053)
+    assert not any(ports.may_take(port) for port in (29152, 32767, 61000, 50052, 50100, 50105, 50110))
+
+
 # --- this machine -----------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(sys.platform != "linux", reason="asserts Linux facts about this machine; every other system's "
@@ -579,6 +600,8 @@ def test_probe_command_on_this_machine() -> None:
     assert 0 < facts.memory.available <= facts.memory.total
     assert facts.disk_free is not None and facts.disk_free > 0
     assert facts.toolchain.cmake is not None
+    low, high = (int(field) for field in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert facts.ephemeral is not None and (facts.ephemeral.low, facts.ephemeral.high) == (low, high)
     assert (facts.toolchain.cxx is not None) == (shutil.which("c++") is not None)
     if shutil.which("nvcc"):
         assert facts.toolchain.nvcc is not None

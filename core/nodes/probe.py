@@ -66,6 +66,20 @@ class Toolchain:
 
 
 @dataclass(frozen=True)
+class EphemeralPorts:
+    """The ports the node's kernel hands out for outgoing connections and binds to port 0 (Linux
+    ``ip_local_port_range`` less ``ip_local_reserved_ports``; macOS ``net.inet.ip.portrange``)."""
+
+    low: int
+    high: int
+    reserved: tuple[tuple[int, int], ...] = ()  # inclusive ranges the kernel never hands out
+
+    def may_take(self, port: int) -> bool:
+        """Whether the kernel may give ``port`` to someone else while nothing listens on it."""
+        return self.low <= port <= self.high and not any(first <= port <= last for first, last in self.reserved)
+
+
+@dataclass(frozen=True)
 class NodeFacts:
     """Everything the probe learned about a node."""
 
@@ -80,6 +94,7 @@ class NodeFacts:
     # Every device `vulkaninfo --summary` lists, software ones (llvmpipe) too: a `backend: vulkan` worker on a node
     # with software devices only is shown them with GGML_VK_VISIBLE_DEVICES (core.nodes.devices).
     vulkan_devices: tuple[VulkanDevice, ...] = ()
+    ephemeral: EphemeralPorts | None = None  # None where the probe could not read it
 
 
 _TOOLCHAIN_SECTIONS = (
@@ -107,6 +122,9 @@ _HARDWARE_SECTIONS = (
                  " || /opt/rocm/bin/rocm-smi --showproductname --showmeminfo vram --csv"),
     ("vulkaninfo", "vulkaninfo --summary"),
     ("system_profiler", "system_profiler SPDisplaysDataType"),
+    ("port-range", "cat /proc/sys/net/ipv4/ip_local_port_range || sysctl -n net.inet.ip.portrange.first"
+                   " net.inet.ip.portrange.last"),
+    ("reserved-ports", "cat /proc/sys/net/ipv4/ip_local_reserved_ports"),
 )
 
 
@@ -294,7 +312,22 @@ def parse_node(text: str) -> NodeFacts:
     gpus += [Gpu(device.vendor, device.name, None, None, device.index, unified=device.device_type == "integrated")
              for device in vulkan_gpus if device.vendor not in covered]
     return NodeFacts(os_info, arch, cpu, memory, tuple(gpus), parse_toolchain(text), bool(vulkan_gpus),
-                     parse_df(sections.get("df", "")), vulkan_devices)
+                     parse_df(sections.get("df", "")), vulkan_devices,
+                     parse_ephemeral(sections.get("port-range", ""), sections.get("reserved-ports", "")))
+
+
+def parse_ephemeral(port_range: str, reserved: str) -> EphemeralPorts | None:
+    """The ephemeral ports from ``ip_local_port_range`` ("32768\t60999", or macOS's two sysctl lines) and
+    ``ip_local_reserved_ports`` ("50052,50100-50110" or empty); None when the range is unreadable."""
+    bounds = [int(number) for number in re.findall(r"\d+", port_range)[:2]]
+    if len(bounds) != 2 or not 0 < bounds[0] <= bounds[1] <= 65535:
+        return None
+    ranges = []
+    for item in reserved.replace("\n", ",").split(","):
+        first, _, last = item.strip().partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            ranges.append((int(first), int(last or first)))
+    return EphemeralPorts(bounds[0], bounds[1], tuple(ranges))
 
 
 def choose_backend(facts: NodeFacts) -> tuple[str, str]:
