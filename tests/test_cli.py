@@ -63,8 +63,8 @@ def test_status_refuses_an_interval_below_a_tenth_of_a_second(interval: str, tmp
     assert "--interval" in result.stderr and "0.1" in result.stderr
 
 
-# What `status` and `run` never need: SSH, numpy, the model reader, the planner, the node-side code (about half a second of
-# imports, every time one of them starts; core.lifecycle loads them for up, down, check, plan and profile).
+# What `status` and `run` never need: SSH, numpy, the model reader, the planner, the node-side code (about half a
+# second of imports, every time one of them starts; core.lifecycle loads them for up, down, check, plan and profile).
 HEAVY = ("asyncssh", "numpy", "core.nodes", "core.model", "core.planner", "core.plan_explained",
          "core.lifecycle")
 
