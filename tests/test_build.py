@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,16 +21,13 @@ from core.errors import DeployError
 from core.inventory import Node
 from core.nodes.build import (
     CACHE_ENV,
-    WORKER_CMAKE,
     WorkerBinary,
     build_key,
-    cache_dir,
     cached_worker,
     failure_reason,
     parse_progress,
     parse_protocol,
     pinned_version,
-    source_tree,
     worker_binary,
     worker_digest,
     worker_source,
@@ -69,8 +64,7 @@ def test_key_names_version_flavour_os_arch_backend() -> None:
     # A CUDA build's key ends in its GPU architectures (tests/test_toolkit.py): 90 unless told otherwise.
     assert build_key("0.3.36", "cuda", "Linux", "x86_64") == f"0.3.36-p{digest}-linux-x86_64-cuda-sm90"
     assert build_key("0.3.36", "metal", "Darwin", "arm64") == f"0.3.36-p{digest}-darwin-arm64-metal"
-    stock = f"stock-{hashlib.sha256(WORKER_CMAKE.encode()).hexdigest()[:6]}"  # built by our project file too
-    assert build_key("0.3.36", "cpu", "Linux", "x86_64", stock=True) == f"0.3.36-{stock}-linux-x86_64-cpu"
+    assert build_key("0.3.36", "cpu", "Linux", "x86_64", stock=True) == "0.3.36-stock-linux-x86_64-cpu"
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -89,19 +83,6 @@ def test_cached_worker_matches_the_pinned_coordinator() -> None:
 
 def manifest(binary: WorkerBinary) -> dict[str, object]:
     return json.loads((binary.path.parent / "manifest.json").read_text())
-
-
-@pytest.mark.integration
-def test_the_worker_is_built_with_llama_cpps_own_defaults_for_ggml() -> None:
-    """llama.cpp's top-level CMakeLists turns some ggml options on that ggml alone leaves off (llamafile's CPU
-    kernels, CUDA graphs); the worker's project, which builds ggml alone, turns on the same ones, and a change of
-    its project file is a new worker (its digest, in the cache key)."""
-    top = (source_tree(pinned_version(), lambda *_: None) / "CMakeLists.txt").read_text()
-    defaults = set(re.findall(r"set\((GGML_\w+_DEFAULT) ON\)", top))
-    assert {"GGML_LLAMAFILE_DEFAULT", "GGML_CUDA_GRAPHS_DEFAULT"} <= defaults
-    assert all(f"set({name} ON)" in WORKER_CMAKE for name in defaults), defaults
-    built = (cache_dir() / "build" / worker_binary("cpu").key / "CMakeCache.txt").read_text()
-    assert "GGML_LLAMAFILE:BOOL=ON" in built
 
 
 @pytest.mark.integration

@@ -65,7 +65,7 @@ def test_the_makefile_computes_the_same_digest() -> None:
 def test_keys_differ_by_flavour_and_by_the_patches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     digest = worker_digest()
     assert project_name("0.3.36") == f"worker-0.3.36-p{digest}"
-    assert project_name("0.3.36", stock=True).startswith("worker-0.3.36-stock-")
+    assert project_name("0.3.36", stock=True) == "worker-0.3.36-stock"
     changed = tmp_path / "patches"
     changed.mkdir()
     for patch in patch_files():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from core.errors import DeployError
-from core.nodes.patches import DIGEST_CHARS, STOCK, apply_patches, flavour, patches_digest, patches_within
+from core.nodes.patches import STOCK, apply_patches, flavour, patches_digest, patches_within
 from core.nodes.target import Target, cross_compiler, cross_flags, native, toolchain_file
 from core.nodes.toolkit import backend_cmake_args, key_suffix
 from core.version import Version
@@ -50,17 +49,8 @@ BASE_FLAGS = ("-DGGML_RPC=ON", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIB
 # ggml-rpc-server links only ggml: this small project is all a node needs (a few MB instead of llama.cpp).
 # Its folders (a trailing /) and files keep their llama.cpp paths, so the patches apply to it unchanged.
 WORKER_TREE = ("ggml/", "tools/rpc/rpc-server.cpp")
-# llama.cpp's own CMakeLists turns these two ggml options on by default and ggml's alone does not: without them a
-# CPU worker lacks llamafile's matrix kernels (F16/Q8_0 prompts took 2.2x as long as in one process) and a CUDA
-# worker lacks CUDA graphs. A node's worker is llama.cpp's build, not ggml's.
 WORKER_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(ggml-rpc-server C CXX)
-if (NOT DEFINED GGML_LLAMAFILE)
-    set(GGML_LLAMAFILE_DEFAULT ON)
-endif()
-if (NOT DEFINED GGML_CUDA_GRAPHS)
-    set(GGML_CUDA_GRAPHS_DEFAULT ON)
-endif()
 add_subdirectory(ggml)
 add_executable(ggml-rpc-server tools/rpc/rpc-server.cpp)
 target_link_libraries(ggml-rpc-server PRIVATE ggml)
@@ -108,13 +98,13 @@ def build_key(version: str, backend: str, system: str | None = None, machine: st
     build's ends in the -march it was built with (``…-linux-aarch64-cpu-armv8.2-a+dotprod+fp16``)."""
     system = (system or platform.system()).lower()
     machine = (machine or platform.machine()).lower()
-    return f"{version}-{_worker_flavour(stock)}-{system}-{machine}-{backend}{key_suffix(backend)}" + (
+    return f"{version}-{flavour(stock=stock, tree=WORKER_TREE)}-{system}-{machine}-{backend}{key_suffix(backend)}" + (
         f"-{cpu_arch}" if cpu_arch else "")
 
 
 def project_name(version: str, *, stock: bool = False) -> str:
     """The worker project's name, for its folder and archive: ``worker-0.3.36-p<digest>`` or ``…-stock``."""
-    return f"worker-{version}-{_worker_flavour(stock)}"
+    return f"worker-{version}-{flavour(stock=stock, tree=WORKER_TREE)}"
 
 
 def worker_patches() -> tuple[Path, ...]:
@@ -123,18 +113,8 @@ def worker_patches() -> tuple[Path, ...]:
 
 
 def worker_digest() -> str:
-    """The digest of the worker's source beyond llama.cpp's: its patches and its project file (whose options change
-    the binary as a patch does); what its cache keys and manifests name."""
-    digest = hashlib.sha256(patches_digest(worker_patches()).encode())
-    digest.update(WORKER_CMAKE.encode())
-    return digest.hexdigest()[:DIGEST_CHARS]
-
-
-def _worker_flavour(stock: bool) -> str:
-    """``p<worker_digest>``, or ``stock-<the project file's digest>``: stock workers are built by that file too."""
-    if stock:
-        return f"{flavour(stock=True)}-{hashlib.sha256(WORKER_CMAKE.encode()).hexdigest()[:6]}"
-    return f"p{worker_digest()}"
+    """The digest of the worker's patches: what its cache keys and manifests name."""
+    return patches_digest(worker_patches())
 
 
 def parse_protocol(header_text: str) -> Version:
