@@ -49,6 +49,10 @@ BASE_FLAGS = ("-DGGML_RPC=ON", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIB
 # ggml-rpc-server links only ggml: this small project is all a node needs (a few MB instead of llama.cpp).
 # Its folders (a trailing /) and files keep their llama.cpp paths, so the patches apply to it unchanged.
 WORKER_TREE = ("ggml/", "tools/rpc/rpc-server.cpp")
+# ggml alone leaves GGML_LLAMAFILE off, which llama.cpp's own CMakeLists turns on, and it stays off on purpose: with
+# llamafile's CPU kernels a row's result depends on how many rows share its step, so a request's greedy text would
+# change with the requests beside it (tests/test_parallel.py fails). Without them an F16 prompt costs 2.2x what it
+# does in one process (README: SSH nodes, `build: auto`).
 WORKER_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(ggml-rpc-server C CXX)
 add_subdirectory(ggml)
