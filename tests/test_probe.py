@@ -47,6 +47,7 @@ from core.nodes.probe import (
     parse_uname,
     split_sections,
 )
+from tests.harness import ephemeral_ports
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probe"
 KIB = 1024
@@ -600,8 +601,8 @@ def test_probe_command_on_this_machine() -> None:
     assert 0 < facts.memory.available <= facts.memory.total
     assert facts.disk_free is not None and facts.disk_free > 0
     assert facts.toolchain.cmake is not None
-    low, high = (int(field) for field in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    assert facts.ephemeral is not None and (facts.ephemeral.low, facts.ephemeral.high) == (low, high)
+    ephemeral = ephemeral_ports()
+    assert facts.ephemeral is not None and (facts.ephemeral.low, facts.ephemeral.high) == (ephemeral[0], ephemeral[-1])
     assert (facts.toolchain.cxx is not None) == (shutil.which("c++") is not None)
     if shutil.which("nvcc"):
         assert facts.toolchain.nvcc is not None
