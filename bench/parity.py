@@ -8,7 +8,11 @@ arms rotating each round by
     `--rpc` to the workers while no cluster is up (`down --keep-workers`) and `-ts` the cluster's split:
     decode (tg) and prompt (pp) tokens/s;
   - ggml-cluster with `transport: direct` (`up` adopts the workers; `run`, then `down --keep-workers`);
-  - the same with `transport: ssh` (RPC forwarded through the SSH connections, the default).
+  - the same with `transport: ssh` (RPC forwarded through the SSH connections, the default);
+  - the same llama-bench with no workers: the whole model in one process on one thread (`-t 1`, as each worker
+    has), the work the cluster spreads over two. The pipeline runs one node at a time, so a cluster at its best
+    matches it; what it loses is the distribution's cost (network, relays) and the workers' build, which leaves
+    out llamafile's kernels for batch invariance (core/nodes/build.py): on an F16 model the prompt rate shows it.
 ggml-cluster is measured through `ggml-cluster run --json` (the path the API takes) after an 8-token warm-up
 request (llama-bench warms up too): decode tokens/s from the first token to the last as the controller
 receives them, prompt tokens/s as the coordinator times the prompt, and time to first token as the
@@ -62,6 +66,7 @@ from tests.realmodel import real_model
 from tests.sshd import SshWorld
 
 CONTEXT = 1024
+ARMS = ("llama-bench", "direct", "ssh", "one process")
 # Whole words of the demo vocabulary: one token each (on another model's vocabulary about one each; the prompt's
 # length is counted by the cluster and given to llama-bench as it is).
 WORDS = "the cluster model layer token worker shard graph compute memory tensor fast slow ready split plan".split()
@@ -116,12 +121,14 @@ def llama_tool(target: str = "llama-bench") -> Path:
     return binary
 
 
-def bench_rates(binary: Path, model: Path, ports: list[int], split: Plan, prompt: int,
+def bench_rates(binary: Path, model: Path, ports: list[int], split: Plan | None, prompt: int,
                 tokens: int) -> tuple[float, float]:
-    """llama-bench's (decode, prompt) tokens/s over the two workers, with the cluster's split."""
+    """llama-bench's (decode, prompt) tokens/s over the two workers with the cluster's split, or, with no
+    ``split``, in one process on one thread."""
+    placement = (["--rpc", ",".join(f"127.0.0.1:{port}" for port in ports), "-ngl", "99", "-sm", "layer", "-ts",
+                  "/".join(f"{share:g}" for share in split.tensor_split)] if split else ["-ngl", "0"])
     result = subprocess.run(
-        [str(binary), "-m", str(model), "--rpc", ",".join(f"127.0.0.1:{port}" for port in ports), "-ngl", "99",
-         "-sm", "layer", "-ts", "/".join(f"{share:g}" for share in split.tensor_split), "-t", "1",
+        [str(binary), "-m", str(model), *placement, "-t", "1",
          "-p", str(prompt), "-n", str(tokens), "-r", "1", "-o", "json"],
         capture_output=True, text=True, check=True)
     rows = json.loads(result.stdout)
@@ -278,7 +285,7 @@ def main() -> int:
     clusters = {transport: ssh_cluster(world, root / transport, model, transport, root / "node root", ports)
                 for transport in ("direct", "ssh")}
     rates: dict[str, dict[str, list[float]]] = {arm: {"decode": [], "prompt": [], "ttft": []}
-                                                 for arm in ("llama-bench", "direct", "ssh")}
+                                                 for arm in ARMS}
     linked: dict[str, dict[str, list[float]]] = {}
     try:
         clusters["direct"].cli("up")  # starts the workers every arm uses
@@ -291,10 +298,11 @@ def main() -> int:
         prompt_tokens = cluster_rates(clusters["direct"], prompt_text, 1)[3]  # BOS + the words: llama-bench's -p
         clusters["direct"].cli("down", "--keep-workers")
         for round_ in range(args.rounds):
-            arms = ["llama-bench", "direct", "ssh"]
-            for arm in arms[round_ % 3:] + arms[:round_ % 3]:
-                if arm == "llama-bench":
-                    decode, fill = bench_rates(binary, model, ports, split, prompt_tokens, args.tokens)
+            turn = round_ % len(ARMS)
+            for arm in ARMS[turn:] + ARMS[:turn]:
+                if arm in ("llama-bench", "one process"):
+                    decode, fill = bench_rates(binary, model, ports, split if arm == "llama-bench" else None,
+                                               prompt_tokens, args.tokens)
                     ttft = prompt_tokens / fill + 1 / decode
                 else:
                     cluster = clusters[arm]
@@ -347,6 +355,11 @@ def main() -> int:
               f"first token time {paired(transport, 'ttft'):.2f}x")
     # The transport's own cost, without llama-bench in the ratio.
     print(f"  ggml-cluster ssh    / ggml-cluster direct: decode {paired('ssh', 'decode', 'direct'):.3f}")
+    # What the spread costs against the same work in one process (no goal: a floor to watch, see the docstring).
+    for arm in ("ssh", "llama-bench"):
+        name = f"ggml-cluster {arm}" if arm == "ssh" else "llama-bench --rpc"
+        print(f"  {name:<19} / one process: decode {paired(arm, 'decode', 'one process'):.3f}, "
+              f"prompt {paired(arm, 'prompt', 'one process'):.3f}")
     print_loads("nodes on loopback", load_model, loads)
     if linked:
         print_loads(f"nodes across a {args.link} link", load_model, linked)

@@ -14,11 +14,11 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from core.client import state_for, status, watch
+from core.client import DOWN_TIMEOUT_S, DownResult, state_for, status, stop_controller, wait_gone, watch
 from core.endpoints.control import ask
 from core.errors import ClusterError, ConnectError, DeployError, InventoryError
 from core.inventory import Inventory, Node
@@ -33,11 +33,10 @@ from core.nodes.shell import Remote
 from core.nodes.worker import worker_dir
 from core.plan_explained import PlanRow, plan_rows
 from core.planner import Plan
-from core.state import Launch, StateDir, fingerprint, process_alive, read_launch
+from core.state import Launch, StateDir, fingerprint, read_launch
 from core.status import ClusterStatus, CoordinatorState, NodeState
 
 UP_TIMEOUT_S = 3600.0  # a first build on a small ARM board takes a while
-DOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ async def _bring_up(inventory: Inventory, state: StateDir, on_status: Callable[[
         else:
             # A hung controller: replace it, but keep its workers for the new one to adopt.
             state.signal_controller(signal.SIGKILL)
-            await _wait_gone(pid, DOWN_TIMEOUT_S)
+            await wait_gone(pid, DOWN_TIMEOUT_S)
     state.socket.unlink(missing_ok=True)  # a dead controller's socket would answer "refused"
     state.pid.unlink(missing_ok=True)
     state.inventory.write_text(inventory_text)
@@ -202,53 +201,17 @@ def _tail(path: Path) -> str:
     return "no log"
 
 
-@dataclass(frozen=True)
-class DownResult:
-    """What `down` did beyond asking the controller."""
-
-    cleaned: list[str]      # nodes whose workers outlived their controller and were stopped
-    unreachable: list[str]  # ``name: reason`` for nodes that could not be checked
-    left_running: list[str] = field(default_factory=list)  # ``name: why`` for workers the controller could not stop
-
-
 async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
     """Stop the controller, coordinator and every worker; works even when the controller is dead.
 
     With ``keep_workers`` the workers (and the model tensors they cache) stay up for the next `up` to adopt.
     """
-    pid = state.controller_pid()  # None also when the pid file is stale: then nothing of it is signalled
-    stopped_by_controller = False
-    left: list[str] = []
-    if pid is not None:
-        try:
-            answer = await ask(state, {"op": "down", "keep_workers": keep_workers})
-            stopped_by_controller = answer.get("ok") is True
-            left = [str(line) for line in answer.get("left_running") or []]
-        except (ConnectError, ConnectionError, json.JSONDecodeError):
-            # No socket yet: it started a moment ago (`up` was interrupted then). It handles SIGTERM like `down`
-            # from when it opens its socket, before it starts anything; until then SIGTERM simply ends it.
-            state.signal_controller(signal.SIGTERM)
-        if not await _wait_gone(pid, DOWN_TIMEOUT_S):
-            state.signal_controller(signal.SIGKILL)
-    # The controller stops what it started; without one, find the workers ourselves (unless they stay).
-    settled = stopped_by_controller or keep_workers
-    result = DownResult([], [], left) if settled else await _stop_leftover_workers(state)
-    state.socket.unlink(missing_ok=True)
-    state.pid.unlink(missing_ok=True)
-    return result
+    stop = await stop_controller(state, keep_workers)
+    return DownResult([], [], stop.left_running) if stop.workers_settled else await stop_leftover_workers(state)
 
 
-async def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process_alive(pid):
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
-async def _stop_leftover_workers(state: StateDir) -> DownResult:
-    """Workers whose supervisor still runs after the controller is gone (killed, crashed)."""
+async def stop_leftover_workers(state: StateDir) -> DownResult:
+    """Stop workers whose supervisor still runs after the controller is gone (killed, crashed)."""
     if not (state.inventory.is_file() and state.launch.is_file()):
         return DownResult([], [])
     inventory, _ = read_launch(state)

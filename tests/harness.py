@@ -23,6 +23,11 @@ import pytest
 
 CLI = str(Path(sys.executable).with_name("ggml-cluster"))
 FIXTURES = Path(__file__).parent / "fixtures"
+# What `status`, `run` and `down` never need: SSH, numpy, the model reader, the planner, the node-side code (about
+# half a second of imports, every time one of them starts; core.lifecycle loads them for up, check, plan, profile,
+# and for a `down` that must find the workers of a controller that is gone).
+HEAVY = ("asyncssh", "numpy", "core.nodes", "core.model", "core.planner", "core.plan_explained",
+         "core.lifecycle")
 
 
 _HANDED_OUT: set[int] = set()
@@ -137,6 +142,16 @@ class Cluster:
             raise AssertionError(f"ggml-cluster {' '.join(args)} exited {result.returncode}:\n"
                                  f"{result.stdout}\n{result.stderr}")
         return result
+
+    def heavy_loaded(self, *args: str) -> list[str]:
+        """Run a command as `cli` does, in an interpreter that says which of HEAVY it loaded; it must succeed."""
+        probe = ("import atexit, json, sys\n"
+                 f"atexit.register(lambda: print(json.dumps([name for name in {HEAVY!r} if name in sys.modules])))\n"
+                 "sys.argv[0] = 'ggml-cluster'\nimport cli\ncli.main()")
+        result = subprocess.run([*self.prefix, sys.executable, "-c", probe, "-i", str(self.inventory), *args],
+                                capture_output=True, text=True, env=self.env(), timeout=600, check=False)
+        assert result.returncode == 0, f"ggml-cluster {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
+        return [str(name) for name in json.loads(result.stdout.strip().splitlines()[-1])]
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen([*self.prefix, CLI, "-i", str(self.inventory), *args], stdout=subprocess.PIPE,

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.app import app
-from tests.harness import CLI
+from tests.harness import CLI, HEAVY
 
 COMMANDS = {"up": [], "status": [], "run": ["Hello"], "check": [], "plan": [], "profile": [], "down": []}
 
@@ -61,12 +61,6 @@ def test_status_refuses_an_interval_below_a_tenth_of_a_second(interval: str, tmp
                             env={**os.environ, "GGML_CLUSTER_STATE_DIR": str(tmp_path / "state")})
     assert result.returncode == 2
     assert "--interval" in result.stderr and "0.1" in result.stderr
-
-
-# What `status` and `run` never need: SSH, numpy, the model reader, the planner, the node-side code (about half a
-# second of imports, every time one of them starts; core.lifecycle loads them for up, down, check, plan and profile).
-HEAVY = ("asyncssh", "numpy", "core.nodes", "core.model", "core.planner", "core.plan_explained",
-         "core.lifecycle")
 
 
 def test_the_commands_people_type_most_load_nothing_heavy(tmp_path: Path) -> None:
