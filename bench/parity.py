@@ -12,7 +12,8 @@ arms rotating each round by
   - the same llama-bench with no workers: the whole model in one process on one thread (`-t 1`, as each worker
     has), the work the cluster spreads over two. The pipeline runs one node at a time, so a cluster at its best
     matches it; what it loses is the distribution's cost (network, relays) and the workers' build, which leaves
-    out llamafile's kernels for batch invariance (core/nodes/build.py): on an F16 model the prompt rate shows it.
+    out llamafile's kernels for batch invariance (core/nodes/build.py): the prompt rate of weights of their types
+    (F16, Q8_0, Q5_0, Q4_0: both models here) shows it.
 ggml-cluster is measured through `ggml-cluster run --json` (the path the API takes) after an 8-token warm-up
 request (llama-bench warms up too): decode tokens/s from the first token to the last as the controller
 receives them, prompt tokens/s as the coordinator times the prompt, and time to first token as the

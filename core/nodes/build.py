@@ -50,9 +50,10 @@ BASE_FLAGS = ("-DGGML_RPC=ON", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIB
 # Its folders (a trailing /) and files keep their llama.cpp paths, so the patches apply to it unchanged.
 WORKER_TREE = ("ggml/", "tools/rpc/rpc-server.cpp")
 # ggml alone leaves GGML_LLAMAFILE off, which llama.cpp's own CMakeLists turns on, and it stays off on purpose: with
-# llamafile's CPU kernels a row's result depends on how many rows share its step, so a request's greedy text would
-# change with the requests beside it (tests/test_parallel.py fails). Without them an F16 prompt costs 2.2x what it
-# does in one process (README: SSH nodes, `build: auto`).
+# llamafile's CPU kernels a row's result depends on how many rows share its step (they take over from two rows,
+# "only for prompt processing" in sgemm.cpp, so a one-row decode takes another path), and a request's greedy text
+# would change with the requests and drafts beside it (tests/test_parallel.py fails). Without them a prompt of
+# llamafile's types (F16, Q8_0, Q5_0, Q4_0) runs at 0.4-0.5x of one process's rate (README: bench/parity.py).
 WORKER_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(ggml-rpc-server C CXX)
 add_subdirectory(ggml)
