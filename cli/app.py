@@ -362,12 +362,10 @@ def down(
     inventory = _inventory(inventory_file, debug)
     state = client.state_for(inventory)
     running = state.controller_pid() is not None
-    stop = _execute(client.stop_controller(state, keep_workers=keep_workers),
-                    "the controller goes on stopping what it had been asked to; `ggml-cluster down` again "
-                    "finishes the job (and stops leftover workers)")
-    if stop.workers_settled:
-        result = client.DownResult([], [], stop.left_running)
-    else:  # only then SSH and the nodes' code: a controller that stopped its workers needs neither
+    result = _execute(client.stop_controller(state, keep_workers=keep_workers),
+                      "the controller goes on stopping what it had been asked to; `ggml-cluster down` again "
+                      "finishes the job (and stops leftover workers)")
+    if result is None:  # only then SSH and the nodes' code: a controller that stopped its workers needs neither
         from core import lifecycle
 
         result = _execute(lifecycle.stop_leftover_workers(state),

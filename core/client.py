@@ -57,17 +57,10 @@ class DownResult:
     left_running: list[str] = field(default_factory=list)  # ``name: why`` for workers the controller could not stop
 
 
-@dataclass(frozen=True)
-class ControllerStop:
-    """What stopping the controller left to do."""
-
-    workers_settled: bool    # the controller stopped its workers, or they were to stay: nothing left on the nodes
-    left_running: list[str]  # ``name: why`` for workers the controller could not stop
-
-
-async def stop_controller(state: StateDir, keep_workers: bool = False) -> ControllerStop:
+async def stop_controller(state: StateDir, keep_workers: bool = False) -> DownResult | None:
     """Ask the controller to stop its coordinator and workers (or keep the workers) and end; signal it when it does
-    not answer. A controller that is not running leaves its workers unsettled: core.lifecycle finds them."""
+    not answer. None when the workers are not settled (no controller stopped them, and they were not to stay):
+    core.lifecycle's stop_leftover_workers finds them."""
     pid = state.controller_pid()  # None also when the pid file is stale: then nothing of it is signalled
     stopped_by_controller = False
     left: list[str] = []
@@ -84,7 +77,7 @@ async def stop_controller(state: StateDir, keep_workers: bool = False) -> Contro
             state.signal_controller(signal.SIGKILL)
     state.socket.unlink(missing_ok=True)
     state.pid.unlink(missing_ok=True)
-    return ControllerStop(stopped_by_controller or keep_workers, left)
+    return DownResult([], [], left) if stopped_by_controller or keep_workers else None
 
 
 async def wait_gone(pid: int, timeout: float) -> bool:

@@ -206,8 +206,8 @@ async def shut_down(state: StateDir, keep_workers: bool = False) -> DownResult:
 
     With ``keep_workers`` the workers (and the model tensors they cache) stay up for the next `up` to adopt.
     """
-    stop = await stop_controller(state, keep_workers)
-    return DownResult([], [], stop.left_running) if stop.workers_settled else await stop_leftover_workers(state)
+    settled = await stop_controller(state, keep_workers)
+    return settled if settled is not None else await stop_leftover_workers(state)
 
 
 async def stop_leftover_workers(state: StateDir) -> DownResult:
